@@ -1,0 +1,161 @@
+// Shared pieces of every CPU kernel: MindSpore's AOT ABI, tensor views, float16/bfloat16
+// conversion, dtype dispatch and error reporting.
+#pragma once
+
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define MOE_EXPORT extern "C" __attribute__((visibility("default")))
+
+// ---------------------------------------------------------------------------------------------
+// MindSpore AOT ABI. The header shipped in the wheel pulls in the whole framework, so this is a
+// layout-compatible copy of mindspore::AotExtra (same virtual table order, same members). The
+// getters are private there; here they are public so the kernels can call them directly.
+namespace mindspore {
+class AotKernelData {
+ public:
+  AotKernelData() = default;
+  virtual ~AotKernelData() = default;
+};
+
+class AotExtra {
+ public:
+  AotExtra() = default;
+  virtual ~AotExtra() = default;
+  virtual bool HasAttr(std::string name) = 0;
+  virtual bool GetAttrBool(std::string name) = 0;
+  virtual int64_t GetAttrInt(std::string name) = 0;
+  virtual float GetAttrFloat(std::string name) = 0;
+  virtual std::string GetAttrStr(std::string name) = 0;
+  virtual std::vector<int64_t> GetAttrIntVec(std::string name) = 0;
+  virtual std::vector<float> GetAttrFloatVec(std::string name) = 0;
+  virtual std::vector<std::vector<int64_t>> GetAttrInt2DVec(std::string name) = 0;
+  virtual std::vector<std::vector<float>> GetAttrFloat2DVec(std::string name) = 0;
+  std::vector<size_t> workspace_;
+  AotKernelData *kernel_data_{nullptr};
+};
+}  // namespace mindspore
+
+namespace moe {
+
+using Extra = mindspore::AotExtra;
+
+// ---------------------------------------------------------------------------------------------
+// Element types. float16 uses the compiler's _Float16 (F16C instructions with -march=native);
+// bfloat16 is a 16-bit pattern converted by hand with round-to-nearest-even.
+using f16 = _Float16;
+struct bf16 {
+  uint16_t bits;
+};
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(f16 v) { return static_cast<float>(v); }
+inline float to_f32(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+inline T from_f32(float v);
+template <>
+inline float from_f32<float>(float v) { return v; }
+template <>
+inline f16 from_f32<f16>(float v) { return static_cast<f16>(v); }
+template <>
+inline bf16 from_f32<bf16>(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+enum class DType { kNone, kF32, kF16, kBF16, kF64, kI8, kI32, kI64, kU8, kU64, kBool, kOther };
+
+inline DType parse_dtype(const char *s) {
+  if (s == nullptr) return DType::kNone;
+  static const struct { const char *name; DType t; } table[] = {
+      {"none", DType::kNone}, {"float32", DType::kF32}, {"float16", DType::kF16},
+      {"bfloat16", DType::kBF16}, {"float64", DType::kF64}, {"int8", DType::kI8},
+      {"int32", DType::kI32}, {"int64", DType::kI64}, {"uint8", DType::kU8},
+      {"uint64", DType::kU64}, {"bool", DType::kBool}};
+  for (const auto &e : table)
+    if (std::strcmp(s, e.name) == 0) return e.t;
+  return DType::kOther;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A view of one kernel argument (input, output or workspace).
+struct Arg {
+  void *ptr = nullptr;
+  int ndim = 0;
+  const int64_t *shape = nullptr;
+  DType dtype = DType::kNone;
+
+  bool present() const { return ptr != nullptr && dtype != DType::kNone; }
+  int64_t dim(int i) const { return i < 0 ? shape[ndim + i] : shape[i]; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= shape[i];
+    return n;
+  }
+  template <typename T>
+  T *as() const { return static_cast<T *>(ptr); }
+};
+
+struct Args {
+  int n;
+  void **params;
+  int *ndims;
+  int64_t **shapes;
+  const char **dtypes;
+  Arg operator[](int i) const {
+    Arg a;
+    if (i < 0 || i >= n) return a;
+    a.ptr = params[i];
+    a.ndim = ndims[i];
+    a.shape = shapes[i];
+    a.dtype = parse_dtype(dtypes[i]);
+    return a;
+  }
+};
+
+// Prints one line "ms_moe_ops.<op>: <message>" to stderr and returns 1 (the kernel's failure
+// code, which MindSpore turns into a RuntimeError).
+inline int fail(const char *op, const char *fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  std::fprintf(stderr, "ms_moe_ops.%s: %s\n", op, buf);
+  std::fflush(stderr);
+  return 1;
+}
+
+// Calls f(T{}) with T the C++ type of a floating dtype; returns 1 for any other dtype.
+template <typename F>
+inline int dispatch_float(const char *op, DType t, F &&f) {
+  switch (t) {
+    case DType::kF32: return f(float{});
+    case DType::kF16: return f(f16{});
+    case DType::kBF16: return f(bf16{});
+    default: return fail(op, "unsupported floating dtype");
+  }
+}
+
+inline float sigmoid(float x) {
+  // exp of a non-positive number never overflows.
+  if (x >= 0.f) return 1.f / (1.f + std::exp(-x));
+  const float e = std::exp(x);
+  return e / (1.f + e);
+}
+
+}  // namespace moe

@@ -1,0 +1,225 @@
+// Router kernels: moe_gating_top_k (sigmoid/softmax scores, grouped top-k selection) and its
+// backwards (sigmoid: the seed's MoeGatingTopKBackward; softmax: this package's own).
+#include <algorithm>
+
+#include "common.h"
+
+namespace moe {
+namespace {
+
+constexpr int64_t kMaxExperts = 2048;
+
+// Total order on float32 that sorts like the numbers (with -0 == +0) and puts NaN above +inf, so
+// selection stays well defined (and in bounds) whatever the data.
+inline int32_t order_key(float v) {
+  v += 0.0f;  // -0 -> +0
+  int32_t b;
+  std::memcpy(&b, &v, 4);
+  return b ^ ((b >> 31) & 0x7fffffff);
+}
+
+// "a ranks before b": larger key first, lower index on ties.
+inline bool ranks_before(int32_t ka, int32_t ia, int32_t kb, int32_t ib) {
+  return ka > kb || (ka == kb && ia < ib);
+}
+
+// Writes the indices of the k best of keys[0..n) (descending, ties: lower index) to out.
+// scratch must hold n ints. Small k uses insertion into a sorted run, large k a partial sort.
+void top_k(const int32_t *keys, int n, int k, int32_t *out, int32_t *scratch) {
+  if (k <= 32) {
+    int len = 0;
+    for (int i = 0; i < n; ++i) {
+      const int32_t key = keys[i];
+      if (len == k && !ranks_before(key, i, keys[out[k - 1]], out[k - 1])) continue;
+      int pos = len < k ? len++ : k - 1;
+      while (pos > 0 && ranks_before(key, i, keys[out[pos - 1]], out[pos - 1])) {
+        out[pos] = out[pos - 1];
+        --pos;
+      }
+      out[pos] = i;
+    }
+    return;
+  }
+  for (int i = 0; i < n; ++i) scratch[i] = i;
+  std::partial_sort(scratch, scratch + k, scratch + n,
+                    [keys](int32_t a, int32_t b) { return ranks_before(keys[a], a, keys[b], b); });
+  std::copy(scratch, scratch + k, out);
+}
+
+struct RouterAttrs {
+  int k, k_group, group_count, group_select_mode, renorm, norm_type;
+  float scale, eps;
+};
+
+template <typename T>
+void route_row(const T *x, const T *bias, const RouterAttrs &a, int n, T *y, int32_t *idx,
+               float *xn) {
+  int32_t keys[kMaxExperts], scratch[kMaxExperts];
+  float choice[kMaxExperts];
+  // 1. scores
+  if (a.norm_type == 1) {
+    for (int j = 0; j < n; ++j) xn[j] = sigmoid(to_f32(x[j]));
+  } else {
+    float mx = -INFINITY;
+    for (int j = 0; j < n; ++j) mx = std::max(mx, to_f32(x[j]));
+    float sum = 0.f;
+    for (int j = 0; j < n; ++j) sum += (xn[j] = std::exp(to_f32(x[j]) - mx));
+    const float inv = 1.f / sum;
+    for (int j = 0; j < n; ++j) xn[j] *= inv;
+  }
+  // 2. selection scores (bias only chooses)
+  for (int j = 0; j < n; ++j) choice[j] = bias ? xn[j] + to_f32(bias[j]) : xn[j];
+  // 3. group-limited routing: experts of groups that are not kept can never win
+  if (a.group_count > 1) {
+    const int per = n / a.group_count;
+    int32_t gkeys[kMaxExperts], gbest[kMaxExperts];
+    for (int g = 0; g < a.group_count; ++g) {
+      const float *c = choice + g * per;
+      float score;
+      if (a.group_select_mode == 0) {
+        score = c[0];
+        for (int j = 1; j < per; ++j) score = std::max(score, c[j]);
+      } else {
+        float m1 = -INFINITY, m2 = -INFINITY;
+        for (int j = 0; j < per; ++j) {
+          if (c[j] > m1) { m2 = m1; m1 = c[j]; }
+          else if (c[j] > m2) m2 = c[j];
+        }
+        score = m1 + m2;
+      }
+      gkeys[g] = order_key(score);
+    }
+    top_k(gkeys, a.group_count, a.k_group, gbest, scratch);
+    bool keep[kMaxExperts] = {};
+    for (int i = 0; i < a.k_group; ++i) keep[gbest[i]] = true;
+    for (int g = 0; g < a.group_count; ++g)
+      if (!keep[g]) std::fill(choice + g * per, choice + (g + 1) * per, -INFINITY);
+  }
+  for (int j = 0; j < n; ++j) keys[j] = order_key(choice[j]);
+  // 4. top-k experts
+  top_k(keys, n, a.k, idx, scratch);
+  // 5-7. weights from the un-biased scores, renormalised, scaled
+  float w[kMaxExperts], sum = 0.f;
+  for (int p = 0; p < a.k; ++p) sum += (w[p] = xn[idx[p]]);
+  const bool renorm = a.norm_type == 1 || a.renorm == 1;
+  const float mul = renorm ? a.scale / (sum + a.eps) : a.scale;
+  for (int p = 0; p < a.k; ++p) y[p] = from_f32<T>(w[p] * mul);
+}
+
+// Checks every index before anything is written (SPEC error rules).
+int check_index_rows(const char *op, const int32_t *idx, int64_t m, int64_t k, int64_t n) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t p = 0; p < k; ++p) {
+      const int32_t j = idx[i * k + p];
+      if (j < 0 || j >= n)
+        return fail(op, "expert_idx[%lld][%lld] = %d is outside [0, %lld)", (long long)i,
+                    (long long)p, j, (long long)n);
+    }
+  return 0;
+}
+
+// Gradient of w = xn[idx] (optionally renormalised) and y = w * scale with respect to xn,
+// summed per expert: gn[j] = sum over p with idx[p] == j of gw'[p]. Returns gw' in gw.
+template <typename T>
+void renorm_grad(const float *xn, const T *gy, const int32_t *idx, int k, bool renorm, float scale,
+                 float eps, float *gw) {
+  if (!renorm) {
+    for (int p = 0; p < k; ++p) gw[p] = scale * to_f32(gy[p]);
+    return;
+  }
+  float d = eps;
+  for (int p = 0; p < k; ++p) d += xn[idx[p]];
+  float beta = 0.f;
+  for (int p = 0; p < k; ++p) beta += xn[idx[p]] / d * (scale * to_f32(gy[p]));
+  for (int p = 0; p < k; ++p) gw[p] = (scale * to_f32(gy[p]) - beta) / d;
+}
+
+template <typename T>
+int gating_backward(const Args &args, Extra *extra, bool softmax) {
+  const char *op = softmax ? "moe_gating_top_k_softmax_backward" : "moe_gating_top_k_backward";
+  const Arg xn = args[0], gy = args[1], ei = args[2], gx = args[3];
+  const int64_t m = xn.dim(0), n = xn.dim(1), k = gy.dim(1);
+  const float scale = extra->GetAttrFloat("routed_scaling_factor");
+  const float eps = extra->GetAttrFloat("eps");
+  const bool renorm = softmax ? extra->GetAttrInt("renorm") == 1 : true;
+  if (int rc = check_index_rows(op, ei.as<int32_t>(), m, k, n)) return rc;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < m; ++i) {
+    const float *xr = xn.as<float>() + i * n;
+    const T *gr = gy.as<T>() + i * k;
+    const int32_t *ir = ei.as<int32_t>() + i * k;
+    T *out = gx.as<T>() + i * n;
+    float gw[kMaxExperts], gn[kMaxExperts];
+    renorm_grad(xr, gr, ir, (int)k, renorm, scale, eps, gw);
+    for (int p = 0; p < k; ++p) gn[ir[p]] = 0.f;
+    for (int p = 0; p < k; ++p) gn[ir[p]] += gw[p];
+    if (!softmax) {
+      // sigmoid' = xn (1 - xn); experts not selected get exactly zero
+      std::fill(out, out + n, from_f32<T>(0.f));
+      for (int p = 0; p < k; ++p) {
+        const int j = ir[p];
+        out[j] = from_f32<T>(xr[j] * (1.f - xr[j]) * gn[j]);
+      }
+    } else {
+      // softmax': xn_j (gn_j - sum_l xn_l gn_l)
+      float dot = 0.f;
+      for (int p = 0; p < k; ++p) dot += xr[ir[p]] * gw[p];
+      float row[kMaxExperts];
+      for (int j = 0; j < n; ++j) row[j] = -xr[j] * dot;
+      for (int p = 0; p < k; ++p) row[ir[p]] = xr[ir[p]] * (gn[ir[p]] - dot);
+      for (int j = 0; j < n; ++j) out[j] = from_f32<T>(row[j]);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+using namespace moe;
+
+// inputs: x [M, N], bias [N] or None; outputs: y [M, k], expert_idx [M, k] int32, x_norm [M, N] f32
+MOE_EXPORT int MoeGatingTopK(int nparam, void **params, int *ndims, int64_t **shapes,
+                             const char **dtypes, void *stream, void *extra_ptr) {
+  const Args args{nparam, params, ndims, shapes, dtypes};
+  auto *extra = static_cast<Extra *>(extra_ptr);
+  const Arg x = args[0], bias = args[1], y = args[2], idx = args[3], xn = args[4];
+  RouterAttrs a;
+  a.k = (int)extra->GetAttrInt("k");
+  a.k_group = (int)extra->GetAttrInt("k_group");
+  a.group_count = (int)extra->GetAttrInt("group_count");
+  a.group_select_mode = (int)extra->GetAttrInt("group_select_mode");
+  a.renorm = (int)extra->GetAttrInt("renorm");
+  a.norm_type = (int)extra->GetAttrInt("norm_type");
+  a.scale = extra->GetAttrFloat("routed_scaling_factor");
+  a.eps = extra->GetAttrFloat("eps");
+  const int64_t m = x.dim(0), n = x.dim(1);
+  if (n < 1 || n > kMaxExperts || a.k < 1 || a.k > n || a.group_count < 1 || n % a.group_count ||
+      a.k_group < 1 || a.k_group > a.group_count)
+    return fail("moe_gating_top_k", "invalid shape or attributes (N=%lld, k=%d)", (long long)n, a.k);
+  return dispatch_float("moe_gating_top_k", x.dtype, [&](auto tag) {
+    using T = decltype(tag);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; ++i)
+      route_row<T>(x.as<T>() + i * n, bias.present() ? bias.as<T>() : nullptr, a, (int)n,
+                   y.as<T>() + i * a.k, idx.as<int32_t>() + i * a.k, xn.as<float>() + i * n);
+    return 0;
+  });
+}
+
+// inputs: x_norm [M, N] f32, grad_y [M, K], expert_idx [M, K] int32; output: grad_x [M, N]
+MOE_EXPORT int MoeGatingTopKBackward(int nparam, void **params, int *ndims, int64_t **shapes,
+                                     const char **dtypes, void *stream, void *extra) {
+  const Args args{nparam, params, ndims, shapes, dtypes};
+  return dispatch_float("moe_gating_top_k_backward", args[1].dtype, [&](auto tag) {
+    return gating_backward<decltype(tag)>(args, static_cast<Extra *>(extra), false);
+  });
+}
+
+MOE_EXPORT int MoeGatingTopKSoftmaxBackward(int nparam, void **params, int *ndims, int64_t **shapes,
+                                            const char **dtypes, void *stream, void *extra) {
+  const Args args{nparam, params, ndims, shapes, dtypes};
+  return dispatch_float("moe_gating_top_k_softmax_backward", args[1].dtype, [&](auto tag) {
+    return gating_backward<decltype(tag)>(args, static_cast<Extra *>(extra), true);
+  });
+}

@@ -1,0 +1,6 @@
+"""ms_moe_ops: fused Mixture-of-Experts operators and layers for MindSpore."""
+from . import nn, ops, reference
+from .nn import *  # noqa: F401,F403
+from .ops import *  # noqa: F401,F403
+
+__version__ = "0.1.0"

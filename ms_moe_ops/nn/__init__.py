@@ -1,0 +1,3 @@
+from .gating import *  # noqa
+
+

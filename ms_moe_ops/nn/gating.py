@@ -1,0 +1,1 @@
+"""GatingTopK: the router Cell."""

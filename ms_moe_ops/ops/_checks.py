@@ -1,0 +1,58 @@
+"""Validation helpers for infer functions: every message names the operator, the argument, what
+was expected and what was given (SPEC error rules)."""
+import mindspore as ms
+
+FLOATS = ("float32", "float16", "bfloat16")
+
+_MSTYPES = {
+    "float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16, "float64": ms.float64,
+    "int8": ms.int8, "int32": ms.int32, "int64": ms.int64, "uint8": ms.uint8,
+    "uint64": ms.uint64, "bool": ms.bool_,
+}
+_NAMES = {v: k for k, v in _MSTYPES.items()}
+
+
+def dtype_name(dtype):
+    """'float32' for ms.float32 (or a tensor type of it)."""
+    if hasattr(dtype, "element_type"):
+        dtype = dtype.element_type()
+    return _NAMES.get(dtype, str(dtype).lower())
+
+
+def to_mstype(name):
+    return _MSTYPES[name]
+
+
+def attr_error(op, name, expected, got):
+    return ValueError(f"{op}: attribute '{name}' must be {expected}, got {got!r}")
+
+
+def check_dtype(op, name, dtype, allowed):
+    if dtype not in allowed:
+        raise TypeError(f"{op}: '{name}' must have dtype {' or '.join(allowed)}, got {dtype}")
+
+
+def check_same_dtype(op, name, dtype, other_name, other_dtype):
+    if dtype != other_dtype:
+        raise TypeError(f"{op}: '{name}' must have the dtype of '{other_name}' ({other_dtype}), "
+                        f"got {dtype}")
+
+
+def check_rank(op, name, shape, ranks):
+    ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+    if len(shape) not in ranks:
+        want = " or ".join(f"{r}-D" for r in ranks)
+        raise ValueError(f"{op}: '{name}' must be {want}, got shape {list(shape)}")
+
+
+def check_shape(op, name, shape, expected, what=""):
+    if list(shape) != list(expected):
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{op}: '{name}' must have shape {list(expected)}{extra}, "
+                         f"got {list(shape)}")
+
+
+def check_range(op, name, value, lo, hi, what=""):
+    if not lo <= value <= hi:
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{op}: {name} must be in [{lo}, {hi}]{extra}, got {value}")

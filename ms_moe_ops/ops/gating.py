@@ -1,0 +1,205 @@
+"""Router operators (SPEC §1-2): moe_gating_top_k, its sigmoid backward (the seed
+aclnnMoeGatingTopKBackward) and its softmax backward (this package's own)."""
+import mindspore as ms
+from mindspore import ops
+
+from ._checks import FLOATS, check_dtype, check_range, check_rank, check_same_dtype, check_shape
+from ._op import Attr, OpDef
+
+MAX_EXPERTS = 2048
+
+# -- moe_gating_top_k ---------------------------------------------------------------------------
+
+_FWD = "moe_gating_top_k"
+
+
+def _check_router_attrs(a):
+    for name, allowed in (("group_select_mode", (0, 1)), ("norm_type", (0, 1)), ("renorm", (0, 1))):
+        if a[name] not in allowed:
+            raise ValueError(f"{_FWD}: attribute '{name}' must be 0 or 1, got {a[name]}")
+    if a["group_count"] < 1:
+        raise ValueError(f"{_FWD}: attribute 'group_count' must be >= 1, got {a['group_count']}")
+    check_range(_FWD, "attribute 'k_group'", a["k_group"], 1, a["group_count"], "1 <= k_group <= group_count")
+    if a["k"] < 1:
+        raise ValueError(f"{_FWD}: attribute 'k' must be >= 1, got {a['k']}")
+
+
+def _infer_router(a, x, bias):
+    check_rank(_FWD, "x", x, 2)
+    m, n = x
+    check_range(_FWD, "the expert count N (x.shape[1])", n, 1, MAX_EXPERTS)
+    if bias is not None:
+        check_shape(_FWD, "bias", bias, [n], "one value per expert")
+    if n % a["group_count"]:
+        raise ValueError(f"{_FWD}: the expert count N={n} must be divisible by attribute "
+                         f"'group_count', got group_count={a['group_count']}")
+    per_group = n // a["group_count"]
+    if a["group_count"] > 1 and a["group_select_mode"] == 1 and per_group < 2:
+        raise ValueError(f"{_FWD}: group_select_mode=1 needs at least 2 experts per group, got "
+                         f"{per_group} (N={n}, group_count={a['group_count']})")
+    check_range(_FWD, "attribute 'k'", a["k"], 1, a["k_group"] * per_group,
+                "1 <= k <= k_group * N / group_count")
+    return [m, a["k"]], [m, a["k"]], [m, n]
+
+
+def _infer_router_dtype(a, x, bias):
+    check_dtype(_FWD, "x", x, FLOATS)
+    if bias is not None:
+        check_same_dtype(_FWD, "bias", bias, "x", x)
+    return x, "int32", "float32"
+
+
+def _router_bprop(a):
+    sigmoid = a["norm_type"] == 1
+    backward_args = dict(routed_scaling_factor=a["routed_scaling_factor"], eps=a["eps"])
+
+    def bprop(x, bias, out, dout):
+        _, expert_idx, x_norm = out
+        dy, _, dx_norm = dout
+        if sigmoid:
+            grad = moe_gating_top_k_backward(x_norm, dy, expert_idx, **backward_args)
+            direct = x_norm * (1 - x_norm) * dx_norm
+        else:
+            grad = GATING_SOFTMAX_BACKWARD(x_norm, dy, expert_idx, renorm=a["renorm"], **backward_args)
+            direct = x_norm * (dx_norm - (x_norm * dx_norm).sum(axis=-1, keepdims=True))
+        # x_norm is an output too: its own gradient adds the score function's derivative
+        grad = grad + direct.astype(grad.dtype)
+        return grad, (None if bias is None else ops.zeros_like(bias))
+
+    return bprop
+
+
+GATING_TOP_K = OpDef(
+    name=_FWD,
+    inputs=("x", "bias"),
+    optional=("bias",),
+    outputs=("y", "expert_idx", "x_norm"),
+    attrs=(Attr("k", int, 1), Attr("k_group", int, 1), Attr("group_count", int, 1),
+           Attr("group_select_mode", int, 0), Attr("renorm", int, 0), Attr("norm_type", int, 1),
+           Attr("out_flag", bool, True), Attr("routed_scaling_factor", float, 1.0),
+           Attr("eps", float, 1e-20)),
+    check_attrs=_check_router_attrs,
+    infer=_infer_router,
+    infer_dtype=_infer_router_dtype,
+    cpu="MoeGatingTopK",
+    aclnn="aclnnMoeGatingTopK",
+    aclnn_args=("x", "bias", "k", "k_group", "group_count", "group_select_mode", "renorm",
+                "norm_type", "out_flag", "routed_scaling_factor", "eps"),
+    bprop=_router_bprop,
+)
+
+
+def moe_gating_top_k(x, k, bias=None, k_group=1, group_count=1, group_select_mode=0, renorm=0,
+                     norm_type=1, out_flag=True, routed_scaling_factor=1.0, eps=1e-20):
+    """DeepSeek-V3 style router: scores, optional group-limited selection, top-k, renormalisation.
+
+    Args:
+        x: [M, N] float32/float16/bfloat16 logits, 1 <= N <= 2048.
+        k: experts per row. bias: [N] (dtype of x) added to the scores for selection only.
+        k_group, group_count, group_select_mode: keep the k_group best of group_count equal groups
+            (group score: max (0) or sum of the two largest (1)).
+        renorm: softmax only: renormalise the k weights. norm_type: 1 sigmoid, 0 softmax.
+        routed_scaling_factor, eps: y = w / (sum(w) + eps) * routed_scaling_factor.
+
+    Returns:
+        (y [M, k] dtype of x, expert_idx [M, k] int32, x_norm [M, N] float32). Differentiable
+        with respect to x.
+    """
+    return GATING_TOP_K(x, bias, k=k, k_group=k_group, group_count=group_count,
+                        group_select_mode=group_select_mode, renorm=renorm, norm_type=norm_type,
+                        out_flag=out_flag, routed_scaling_factor=routed_scaling_factor, eps=eps)
+
+
+# -- backwards --------------------------------------------------------------------------------
+
+def _backward_infer(op):
+    def infer(a, x_norm, grad_y, expert_idx):
+        check_rank(op, "x_norm", x_norm, 2)
+        check_rank(op, "grad_y", grad_y, 2)
+        check_rank(op, "expert_idx", expert_idx, 2)
+        m, n = x_norm
+        check_range(op, "the expert count N (x_norm.shape[1])", n, 2, MAX_EXPERTS)
+        if grad_y[0] != m:
+            raise ValueError(f"{op}: 'grad_y' must have M={m} rows like 'x_norm', got shape "
+                             f"{list(grad_y)}")
+        check_range(op, "K (grad_y.shape[1])", grad_y[1], 1, n, "1 <= K <= N")
+        check_shape(op, "expert_idx", expert_idx, grad_y, "the shape of grad_y")
+        return ([m, n],)
+
+    def infer_dtype(a, x_norm, grad_y, expert_idx):
+        check_dtype(op, "x_norm", x_norm, ("float32",))
+        check_dtype(op, "grad_y", grad_y, FLOATS)
+        check_dtype(op, "expert_idx", expert_idx, ("int32",))
+        return (grad_y,)
+
+    return infer, infer_dtype
+
+
+def _check_sigmoid_only(a):
+    if a["norm_type"] != 1:
+        raise ValueError(f"moe_gating_top_k_backward: attribute 'norm_type' must be 1 (sigmoid), "
+                         f"got {a['norm_type']}; the softmax backward is part of moe_gating_top_k")
+    if a["renorm"] not in (0, 1):
+        raise ValueError(f"moe_gating_top_k_backward: attribute 'renorm' must be 0 or 1, "
+                         f"got {a['renorm']}")
+
+
+GATING_BACKWARD = OpDef(
+    name="moe_gating_top_k_backward",
+    inputs=("x_norm", "grad_y", "expert_idx"),
+    outputs=("grad_x",),
+    attrs=(Attr("renorm", int, 0), Attr("norm_type", int, 1),
+           Attr("routed_scaling_factor", float, 1.0), Attr("eps", float, 1e-20)),
+    check_attrs=_check_sigmoid_only,
+    infer=_backward_infer("moe_gating_top_k_backward")[0],
+    infer_dtype=_backward_infer("moe_gating_top_k_backward")[1],
+    cpu="MoeGatingTopKBackward",
+    aclnn="aclnnMoeGatingTopKBackward",
+    aclnn_args=("x_norm", "grad_y", "expert_idx", "renorm", "norm_type",
+                "routed_scaling_factor", "eps"),
+)
+
+
+def moe_gating_top_k_backward(x_norm, grad_y, expert_idx, renorm=0, norm_type=1,
+                              routed_scaling_factor=1.0, eps=1e-20):
+    """Gradient of moe_gating_top_k (sigmoid) with respect to x (SPEC §2).
+
+    x_norm [M, N] float32, grad_y [M, K] float32/float16/bfloat16, expert_idx [M, K] int32 ->
+    grad_x [M, N] in grad_y's dtype. Duplicate indices in a row are summed; an index outside
+    [0, N) is a RuntimeError raised before anything is written.
+    """
+    return GATING_BACKWARD(x_norm, grad_y, expert_idx, renorm=renorm, norm_type=norm_type,
+                           routed_scaling_factor=routed_scaling_factor, eps=eps)
+
+
+def _softmax_backward_composed(a):
+    """The softmax router backward from MindSpore ops (Ascend has no kernel for it)."""
+    scale, eps, renorm = a["routed_scaling_factor"], a["eps"], a["renorm"] == 1
+
+    def grad(x_norm, grad_y, expert_idx):
+        g = grad_y.astype(ms.float32) * scale
+        w = ops.gather_elements(x_norm, 1, expert_idx)
+        if renorm:
+            d = w.sum(axis=-1, keepdims=True) + eps
+            beta = (w / d * g).sum(axis=-1, keepdims=True)
+            g = (g - beta) / d
+        gn = ops.tensor_scatter_elements(ops.zeros_like(x_norm), expert_idx, g, axis=1,
+                                         reduction="add")
+        out = x_norm * (gn - (x_norm * gn).sum(axis=-1, keepdims=True))
+        return out.astype(grad_y.dtype)
+
+    return grad
+
+
+_SOFTMAX_BWD = "moe_gating_top_k_softmax_backward"
+GATING_SOFTMAX_BACKWARD = OpDef(
+    name=_SOFTMAX_BWD,
+    inputs=("x_norm", "grad_y", "expert_idx"),
+    outputs=("grad_x",),
+    attrs=(Attr("renorm", int, 0), Attr("routed_scaling_factor", float, 1.0),
+           Attr("eps", float, 1e-20)),
+    infer=_backward_infer(_SOFTMAX_BWD)[0],
+    infer_dtype=_backward_infer(_SOFTMAX_BWD)[1],
+    cpu="MoeGatingTopKSoftmaxBackward",
+    ascend=_softmax_backward_composed,
+)

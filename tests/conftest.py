@@ -1,0 +1,97 @@
+"""Shared test helpers: execution modes, dtype conversion, tolerances, finite differences."""
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import Tensor, nn
+
+ms.set_context(device_target="CPU")
+
+DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
+# Max abs error against the float64 golden model, relative to the output's scale.
+TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def tensor(array, dtype=None):
+    """numpy -> Tensor; dtype may be a name ("bfloat16") or a MindSpore dtype."""
+    array = np.asarray(array)
+    if dtype is None:
+        return Tensor(array)
+    dtype = DTYPES.get(dtype, dtype)
+    return Tensor(array.astype(np.float32), dtype) if dtype == ms.bfloat16 else Tensor(array, dtype)
+
+
+def numpy(t):
+    """Tensor -> numpy (bfloat16 through float32)."""
+    if t.dtype == ms.bfloat16:
+        t = t.astype(ms.float32)
+    return t.asnumpy()
+
+
+def rounded(array, dtype):
+    """array as it looks after rounding to dtype (what an input of that dtype holds)."""
+    return numpy(tensor(np.asarray(array, np.float32), dtype)).astype(np.float64)
+
+
+class _Fn(nn.Cell):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def construct(self, *args):
+        return self.fn(*args)
+
+
+def run(fn, *args, mode="pynative"):
+    """Calls fn(*args) in PyNative, or compiled as a GRAPH-mode Cell."""
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        return _Fn(fn)(*args)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def grad(fn, *args, mode="pynative", argnums=0):
+    """Gradient of the scalar fn(*args) with respect to args[argnums] (an int or a tuple)."""
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        return ms.grad(_Fn(fn), grad_position=argnums)(*args)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def finite_diff(f, x, eps=1e-6):
+    """Central differences of the scalar f (numpy, float64) at x."""
+    x = np.array(x, np.float64)
+    g = np.zeros_like(x)
+    flat, gflat = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        hi = f(x)
+        flat[i] = old - eps
+        lo = f(x)
+        flat[i] = old
+        gflat[i] = (hi - lo) / (2 * eps)
+    return g
+
+
+def assert_close(actual, expected, dtype="float32", scale=None, tol=None):
+    """Max abs error <= tol * max(1, |expected|max) (or * scale)."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if scale is None:
+        scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
+    tol = TOL[dtype] if tol is None else tol
+    err = float(np.abs(actual - expected).max(initial=0.0))
+    assert err <= tol * scale, f"max abs error {err:.3g} > {tol * scale:.3g} ({dtype})"
+
+
+@pytest.fixture(params=["pynative", "graph"])
+def mode(request):
+    return request.param
+
+
+@pytest.fixture(params=list(DTYPES))
+def dtype(request):
+    return request.param
