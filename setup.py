@@ -31,6 +31,15 @@ class BuildKernels(build_ext):
         self.compiler.linker_so = [cxx] + self.compiler.linker_so[1:]
         super().build_extensions()
 
+    def copy_file(self, src, dst, *args, **kwargs):
+        # Replace the library atomically: a running process keeps its mapping of the old file.
+        if os.path.isdir(dst):
+            dst = os.path.join(dst, os.path.basename(src))
+        tmp = f"{dst}.tmp{os.getpid()}"
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        return dst, True
+
 
 inc, libdir, lib = _blas()
 march = os.environ.get("MS_MOE_OPS_MARCH", "native")
