@@ -1,0 +1,58 @@
+// Shared by the MoeFFN kernels (float path in ffn.cc, int8 path in ffn_int8.cc): expert row
+// ranges and activations.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace moe {
+
+enum class Activation { kFastGelu, kGelu, kRelu, kSilu, kUnknown };
+
+inline Activation parse_activation(const std::string &name) {
+  if (name == "fastgelu") return Activation::kFastGelu;
+  if (name == "gelu") return Activation::kGelu;
+  if (name == "relu") return Activation::kRelu;
+  if (name == "silu") return Activation::kSilu;
+  return Activation::kUnknown;
+}
+
+inline float activate(Activation act, float x) {
+  switch (act) {
+    case Activation::kFastGelu: return x * sigmoid(1.702f * x);
+    case Activation::kGelu: return x * sigmoid(1.59576912f * (x + 0.044715f * x * x * x));
+    case Activation::kRelu: return x > 0.f ? x : 0.f;
+    case Activation::kSilu: return x * sigmoid(x);
+    default: return x;
+  }
+}
+
+// Row offsets of each expert from expert_tokens (int64 [E]): counts (each >= 0, sum == m) or,
+// with cumulative, inclusive ends (non-decreasing, last == m). offsets gets E + 1 entries.
+// Returns non-zero (after one line on stderr) when the counts do not describe m rows.
+inline int expert_offsets(const char *op, const Arg &tokens, bool cumulative, int64_t m,
+                          std::vector<int64_t> &offsets) {
+  const int64_t e = tokens.numel();
+  const int64_t *t = tokens.as<int64_t>();
+  offsets.assign(e + 1, 0);
+  for (int64_t i = 0; i < e; ++i) {
+    const int64_t end = cumulative ? t[i] : offsets[i] + t[i];
+    if ((!cumulative && t[i] < 0) || end < offsets[i] || end > m)
+      return fail(op, "expert_tokens[%lld] = %lld does not fit %lld rows (%s)", (long long)i,
+                  (long long)t[i], (long long)m,
+                  cumulative ? "cumulative ends must be non-decreasing and <= M"
+                             : "counts must be >= 0 and add up to M");
+    offsets[i + 1] = end;
+  }
+  if (offsets[e] != m)
+    return fail(op, "expert_tokens describe %lld rows, but x has M = %lld", (long long)offsets[e],
+                (long long)m);
+  return 0;
+}
+
+// The int8 path of MoeFFN (ffn_int8.cc); same arguments as the MoeFFN entry point.
+int moe_ffn_int8(const Args &args, Extra *extra);
+
+}  // namespace moe
