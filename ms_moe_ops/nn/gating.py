@@ -1,1 +1,92 @@
-"""GatingTopK: the router Cell."""
+"""GatingTopK: the DeepSeek-V3 style router Cell with auxiliary-loss-free load balancing."""
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from ..ops.gating import GATING_TOP_K, moe_gating_top_k
+
+__all__ = ["GatingTopK"]
+
+_SCORE_FUNCS = {"sigmoid": 1, "softmax": 0}
+
+
+class GatingTopK(nn.Cell):
+    """Routes each token to top_k of num_experts experts.
+
+    Logits are computed in float32 (whatever the input dtype), scored with sigmoid or softmax,
+    and experts chosen by score + `expert_bias` (optionally group-limited: the topk_group best of
+    n_group groups). The weights come from the un-biased scores, renormalised when
+    norm_topk_prob, times routed_scaling_factor.
+
+    Parameters: `weight` [num_experts, hidden_size] (trainable), `expert_bias` [num_experts]
+    (selection only, not trainable), `tokens_per_expert` [num_experts] float32 (routed tokens
+    since the last `update_expert_bias()`, not trainable).
+
+    construct(hidden_states [..., hidden_size]) -> (weights [T, top_k] float32,
+    expert_idx [T, top_k] int32), T = number of tokens.
+    """
+
+    def __init__(self, hidden_size, num_experts, top_k, n_group=1, topk_group=1,
+                 group_select_mode=1, score_func="sigmoid", routed_scaling_factor=1.0,
+                 norm_topk_prob=True, bias_update_rate=1e-3):
+        super().__init__()
+        if score_func not in _SCORE_FUNCS:
+            raise ValueError(f"GatingTopK: score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
+        for name, value in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GatingTopK: {name} must be a positive int, got {value!r}")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.group_select_mode = group_select_mode if n_group > 1 else 0
+        self.norm_type = _SCORE_FUNCS[score_func]
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.bias_update_rate = float(bias_update_rate)
+        self.weight = Parameter(initializer(Normal(0.02), (num_experts, hidden_size), ms.float32),
+                                name="weight")
+        self.expert_bias = Parameter(Tensor(np.zeros(num_experts, np.float32)), name="expert_bias",
+                                     requires_grad=False)
+        self.tokens_per_expert = Parameter(Tensor(np.zeros(num_experts, np.float32)),
+                                           name="tokens_per_expert", requires_grad=False)
+        # Sigmoid scores without renormalisation: the op always renormalises sigmoid weights, so
+        # these are gathered from its x_norm output (which is differentiable too).
+        self.gather_unnormalised = self.norm_type == 1 and not self.norm_topk_prob
+        # Validate the configuration now rather than at the first call.
+        GATING_TOP_K.resolve(k=top_k, k_group=topk_group, group_count=n_group,
+                             group_select_mode=self.group_select_mode, norm_type=self.norm_type)
+        if num_experts % n_group or top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"GatingTopK: need num_experts % n_group == 0 and top_k <= topk_group * "
+                             f"num_experts / n_group, got num_experts={num_experts}, "
+                             f"n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
+
+    def construct(self, hidden_states):
+        h = hidden_states.reshape(-1, self.hidden_size).astype(ms.float32)
+        logits = ops.matmul(h, self.weight.T)
+        weights, expert_idx, scores = moe_gating_top_k(
+            logits, self.top_k, self.expert_bias, k_group=self.topk_group,
+            group_count=self.n_group, group_select_mode=self.group_select_mode,
+            renorm=int(self.norm_topk_prob), norm_type=self.norm_type,
+            routed_scaling_factor=self.routed_scaling_factor)
+        if self.gather_unnormalised:
+            weights = ops.gather_elements(scores, 1, expert_idx) * self.routed_scaling_factor
+        counts = ops.unsorted_segment_sum(ops.ones(expert_idx.size, ms.float32),
+                                          expert_idx.reshape(-1), self.num_experts)
+        ops.assign_add(self.tokens_per_expert, ops.stop_gradient(counts))
+        return weights, expert_idx
+
+    def load(self):
+        """Tokens routed to each expert since the last bias update (numpy float32 [E])."""
+        return self.tokens_per_expert.asnumpy().copy()
+
+    def update_expert_bias(self):
+        """Auxiliary-loss-free balancing (DeepSeek-V3): nudge the selection bias of overloaded
+        experts down and of underloaded ones up, then reset the counts. Call between steps."""
+        load = self.load()
+        if load.sum() > 0:
+            step = self.bias_update_rate * np.sign(load.mean() - load)
+            self.expert_bias.set_data(Tensor((self.expert_bias.asnumpy() + step).astype(np.float32)))
+        self.tokens_per_expert.set_data(Tensor(np.zeros(self.num_experts, np.float32)))
