@@ -1,3 +1,4 @@
-from .gating import *  # noqa
+"""Cells built on the operators."""
+from .gating import GatingTopK
 
-
+__all__ = ["GatingTopK"]
