@@ -93,3 +93,151 @@ def moe_gating_top_k_softmax_backward(x_norm, grad_y, expert_idx, renorm=0,
         np.add.at(gn, idx, gw)
         grad_x[i] = x_norm[i] * (gn - (x_norm[i] * gn).sum())
     return grad_x
+
+
+# -- MoE layer (router -> experts -> weighted sum + shared experts) -------------------------------
+
+def _moe_activation(name, h, clamp_limit=0.0):
+    if name == "swiglu":
+        gate, up = np.split(h, 2, axis=-1)
+        if clamp_limit > 0:
+            gate = np.minimum(gate, clamp_limit)
+            up = np.clip(up, -clamp_limit, clamp_limit)
+        return gate * _sigmoid(gate) * up
+    if name == "fastgelu":
+        return h * _sigmoid(1.702 * h)
+    if name == "gelu":
+        return h * _sigmoid(1.59576912 * (h + 0.044715 * h ** 3))
+    if name == "relu":
+        return np.maximum(h, 0.0)
+    if name == "silu":
+        return h * _sigmoid(h)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def moe_layer(x, router_weight, weight1, weight2, top_k, expert_bias=None, n_group=1,
+              topk_group=1, group_select_mode=1, routed_scaling_factor=1.0, score_func="sigmoid",
+              activation="swiglu", clamp_limit=0.0, bias1=None, bias2=None, shared_weight1=None,
+              shared_weight2=None, expert_idx=None):
+    """MoELayer forward: -> (out, shape of x, float64; expert_idx [T, top_k] int32).
+
+    out[t] = sum_k w[t,k] * (act(x[t] @ weight1[e] + bias1[e]) @ weight2[e] + bias2[e]) +
+    shared(x[t]), e = idx[t,k], with (w, idx) from moe_gating_top_k of x @ router_weight.T
+    (weights renormalised, times routed_scaling_factor). shared is a SwiGLU MLP with
+    shared_weight1 [H, 2Fs] (gate | up) and shared_weight2 [Fs, H]. Passing expert_idx fixes the
+    routing (for finite differences that must not flip a choice).
+    """
+    x = np.asarray(x, np.float64)
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    logits = x @ np.asarray(router_weight, np.float64).T
+    norm_type = 1 if score_func == "sigmoid" else 0
+    if expert_idx is None:
+        _, expert_idx, _ = moe_gating_top_k(logits, top_k, bias=expert_bias, k_group=topk_group,
+                                            group_count=n_group,
+                                            group_select_mode=group_select_mode if n_group > 1 else 0,
+                                            renorm=1, norm_type=norm_type)
+    expert_idx = np.asarray(expert_idx, np.int32)
+    scores = _sigmoid(logits) if norm_type == 1 else _softmax(logits)
+    w = np.take_along_axis(scores, expert_idx.astype(np.int64), axis=1)
+    w = w / (w.sum(axis=1, keepdims=True) + 1e-20) * routed_scaling_factor
+    weight1 = np.asarray(weight1, np.float64)
+    weight2 = np.asarray(weight2, np.float64)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(expert_idx.shape[1]):
+            e = expert_idx[t, k]
+            h = x[t] @ weight1[e] + (0.0 if bias1 is None else np.asarray(bias1, np.float64)[e])
+            y = _moe_activation(activation, h, clamp_limit) @ weight2[e]
+            y = y + (0.0 if bias2 is None else np.asarray(bias2, np.float64)[e])
+            out[t] += w[t, k] * y
+    if shared_weight1 is not None:
+        h = x @ np.asarray(shared_weight1, np.float64)
+        out += _moe_activation("swiglu", h) @ np.asarray(shared_weight2, np.float64)
+    return out.reshape(shape), expert_idx
+
+
+# -- MoeFFN quant path (SPEC §4, inference only) ---------------------------------------------------
+
+def float_to_deq_scale(scale):
+    """float32 dequant scales -> uint64 as the device takes them (low 32 bits = float32 bits)."""
+    return np.asarray(scale, np.float32).view(np.uint32).astype(np.uint64)
+
+
+def _deq_scale_values(deq_scale):
+    """uint64 or float32 dequant scales -> the float32 values used: only the top 19 bits survive."""
+    deq_scale = np.asarray(deq_scale)
+    if deq_scale.dtype == np.uint64:
+        bits = (deq_scale & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    else:
+        bits = deq_scale.astype(np.float32).view(np.uint32)
+    return (bits & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _quant_activation(name, h):
+    """Activation of float32 h, computed in float64 and rounded to float32 like the kernel."""
+    h = h.astype(np.float64)
+    sig = _sigmoid
+    out = {"fastgelu": lambda: h * sig(1.702 * h),
+           "gelu": lambda: h * sig(1.59576912 * (h + 0.044715 * h ** 3)),
+           "relu": lambda: np.maximum(h, 0.0),
+           "silu": lambda: h * sig(h)}
+    if name not in out:
+        raise ValueError(f"unknown activation {name!r}")
+    return out[name]().astype(np.float32)
+
+
+def round_to_dtype(y, dtype):
+    """float32 y rounded (nearest even) to "float16", "bfloat16" or "float32"; float32 values of
+    the result for bfloat16 (numpy has no bfloat16)."""
+    y = np.asarray(y, np.float32)
+    if dtype == "float16":
+        return y.astype(np.float16)
+    if dtype == "bfloat16":
+        bits = y.view(np.uint32).astype(np.uint64)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+        nan = np.isnan(y)
+        bits[nan] = (y[nan].view(np.uint32) | 0x400000) & 0xFFFF0000
+        return bits.view(np.float32)
+    return y
+
+
+def saturate_int8(v):
+    """round half to even, then clamp to [-128, 127] (NaN -> 0): float -> int8."""
+    r = np.rint(np.nan_to_num(np.asarray(v, np.float64), nan=0.0))
+    return np.clip(r, -128, 127).astype(np.int8)
+
+
+def moe_ffn_quant(x, expert_tokens, weight1, weight2, bias1, bias2, scale, offset, deq_scale1,
+                  deq_scale2, activation="fastgelu", tokens_index_flag=False, output_dtype=None):
+    """MoeFFN int8 path: exact integer products (int32, wrapping), float32 dequantisation with
+    19-bit dequant scales, round-half-even int8 requantisation. -> y [M, H] rounded to
+    output_dtype (default "float16")."""
+    x = np.asarray(x, np.int8)
+    m, h = x.shape
+    tokens = np.asarray(expert_tokens, np.int64)
+    ends = tokens if tokens_index_flag else np.cumsum(tokens)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    if len(tokens) and ((np.diff(np.concatenate([[0], ends])) < 0).any() or ends[-1] != m):
+        raise ValueError("expert_tokens do not describe the rows of x")
+    dq1, dq2 = _deq_scale_values(deq_scale1), _deq_scale_values(deq_scale2)
+    y = np.zeros((m, h), np.float32)
+    for e in range(len(tokens)):
+        rows = slice(starts[e], ends[e])
+        if starts[e] == ends[e]:
+            continue
+
+        def int32_sum(a, w, b):
+            acc = a.astype(np.int64) @ np.asarray(w, np.int64)
+            if b is not None:
+                acc = acc + np.asarray(b, np.int64)[e]
+            return acc.astype(np.uint64).astype(np.uint32).view(np.int32)  # int32 wrap-around
+
+        hid = int32_sum(x[rows], weight1[e], bias1).astype(np.float32) * dq1[e]
+        act = _quant_activation(activation, hid).astype(np.float64)
+        off = 0.0 if offset is None else float(np.float32(np.asarray(offset)[e]))
+        # a * scale + offset with one rounding to float32 (the kernel's fused multiply-add)
+        pre = (act * float(np.float32(np.asarray(scale)[e])) + off).astype(np.float32)
+        q = saturate_int8(pre)
+        y[rows] = int32_sum(q, weight2[e], bias2).astype(np.float32) * dq2[e]
+    return round_to_dtype(y, output_dtype or "float16")

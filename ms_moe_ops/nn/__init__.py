@@ -1,4 +1,8 @@
 """Cells built on the operators."""
 from .gating import GatingTopK
+from .ffn import MoeFFN
+from .moe_layer import (MoELayer, SharedExperts, convert_deepseek_v3_moe, expert_load,
+                        load_imbalance, moe_layers, update_expert_bias)
 
-__all__ = ["GatingTopK"]
+__all__ = ["GatingTopK", "MoeFFN", "MoELayer", "SharedExperts", "moe_layers", "expert_load",
+           "load_imbalance", "update_expert_bias", "convert_deepseek_v3_moe"]

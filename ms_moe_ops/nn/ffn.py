@@ -1,0 +1,106 @@
+"""MoeFFN: all the experts of a MoE layer as one Cell, on rows already grouped by expert."""
+import math
+
+import mindspore as ms
+from mindspore import Parameter, nn, ops
+from mindspore.common.initializer import Uniform, initializer
+
+from .. import ops as moe_ops
+
+__all__ = ["MoeFFN"]
+
+ACTIVATIONS = ("fastgelu", "gelu", "relu", "silu", "swiglu")
+
+
+class MoeFFN(nn.Cell):
+    """The experts of a MoE layer: `y_rows(e) = act(x_rows(e) @ weight1[e] + bias1[e]) @ weight2[e]
+    + bias2[e]`, expert e owning `expert_tokens[e]` consecutive rows (expert 0's rows first).
+
+    activation "fastgelu", "gelu", "relu" or "silu" runs the fused `moe_ffn` operator; "swiglu"
+    composes grouped_matmul -> swiglu_group -> grouped_matmul, with weight1 [E, H, 2F] holding
+    the gate (first F columns) and up (last F columns) projections; clamp_limit > 0 clamps them
+    (gate <= c, |up| <= c) as in GPT-OSS style experts.
+
+    Parameters: `weight1` [E, H, F] ([E, H, 2F] for swiglu), `weight2` [E, F, H], and when
+    has_bias `bias1` [E, F] ([E, 2F]) and `bias2` [E, H]; stored in float32 and cast to the
+    input's dtype.
+
+    construct(x [M, H], expert_tokens int64 [E] counts, row_weight=None [M] or [M, 1]) -> [M, H]
+    in x's dtype. row_weight (float32, e.g. routing probabilities in row order) multiplies each
+    output row; with swiglu it is swiglu_group's per-token weight, so its gradient comes from the
+    fused backward.
+    """
+
+    def __init__(self, num_experts, hidden_size, ffn_hidden_size, activation="fastgelu",
+                 has_bias=False, clamp_limit=0.0):
+        super().__init__()
+        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
+                            ("ffn_hidden_size", ffn_hidden_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MoeFFN: {name} must be a positive int, got {value!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MoeFFN: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if clamp_limit > 0 and activation != "swiglu":
+            raise ValueError(f"MoeFFN: clamp_limit applies to activation='swiglu' only, got "
+                             f"activation={activation!r} with clamp_limit={clamp_limit}")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.activation = activation
+        self.swiglu = activation == "swiglu"
+        self.has_bias = bool(has_bias)
+        self.clamp_limit = float(clamp_limit)
+        width = 2 * ffn_hidden_size if self.swiglu else ffn_hidden_size
+        # the usual nn.Dense initialisation, per expert
+        self.weight1 = Parameter(initializer(Uniform(1 / math.sqrt(hidden_size)),
+                                             (num_experts, hidden_size, width), ms.float32),
+                                 name="weight1")
+        self.weight2 = Parameter(initializer(Uniform(1 / math.sqrt(ffn_hidden_size)),
+                                             (num_experts, ffn_hidden_size, hidden_size), ms.float32),
+                                 name="weight2")
+        if self.has_bias:
+            self.bias1 = Parameter(initializer("zeros", (num_experts, width), ms.float32), name="bias1")
+            self.bias2 = Parameter(initializer("zeros", (num_experts, hidden_size), ms.float32),
+                                   name="bias2")
+        else:
+            self.bias1 = None
+            self.bias2 = None
+
+    def construct(self, x, expert_tokens, row_weight=None):
+        dtype = x.dtype
+        w1 = self.weight1.astype(dtype)
+        w2 = self.weight2.astype(dtype)
+        if row_weight is not None:
+            row_weight = row_weight.reshape(-1, 1).astype(ms.float32)
+        if not self.swiglu:
+            b1 = None if self.bias1 is None else self.bias1.astype(dtype)
+            b2 = None if self.bias2 is None else self.bias2.astype(dtype)
+            y = moe_ops.moe_ffn(x, expert_tokens, w1, w2, b1, b2, activation=self.activation)
+            if row_weight is not None:
+                y = (y.astype(ms.float32) * row_weight).astype(dtype)
+            return y
+        h = moe_ops.grouped_matmul(x, w1, expert_tokens)
+        if self.has_bias:
+            rows = self._row_experts(expert_tokens, x.shape[0])
+            h = (h.astype(ms.float32) + ops.gather(self.bias1, rows, 0)).astype(dtype)
+        a = moe_ops.swiglu_group(h, row_weight, expert_tokens, clamp_limit=self.clamp_limit)
+        y = moe_ops.grouped_matmul(a, w2, expert_tokens)
+        if self.has_bias:
+            # bias2 is part of the expert, so the routing weight scales it too
+            b2 = ops.gather(self.bias2, rows, 0)
+            if row_weight is not None:
+                b2 = b2 * row_weight
+            y = (y.astype(ms.float32) + b2).astype(dtype)
+        return y
+
+    def _row_experts(self, expert_tokens, rows):
+        """Expert id of every row (int32 [rows]) from the per-expert counts."""
+        ends = ops.cumsum(expert_tokens, 0)
+        row = ops.arange(rows, dtype=ms.int64).reshape(-1, 1)
+        owner = (row >= ends.reshape(1, -1)).astype(ms.int32).sum(axis=1)
+        return ops.minimum(owner, self.num_experts - 1)
+
+    def extend_repr(self):
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation}, "
+                f"has_bias={self.has_bias}, clamp_limit={self.clamp_limit}")
