@@ -241,3 +241,89 @@ def moe_ffn_quant(x, expert_tokens, weight1, weight2, bias1, bias2, scale, offse
         q = saturate_int8(pre)
         y[rows] = int32_sum(q, weight2[e], bias2).astype(np.float32) * dq2[e]
     return round_to_dtype(y, output_dtype or "float16")
+
+
+# -- MoeFFN quant path (SPEC §4, inference only) ---------------------------------------------------
+
+def float_to_deq_scale(scale):
+    """float32 dequant scales -> uint64 as the device takes them (low 32 bits = float32 bits)."""
+    return np.asarray(scale, np.float32).view(np.uint32).astype(np.uint64)
+
+
+def _deq_scale_values(deq_scale):
+    """uint64 or float32 dequant scales -> the float32 values used: only the top 19 bits survive."""
+    deq_scale = np.asarray(deq_scale)
+    if deq_scale.dtype == np.uint64:
+        bits = (deq_scale & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    else:
+        bits = deq_scale.astype(np.float32).view(np.uint32)
+    return (bits & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _quant_activation(name, h):
+    """Activation of float32 h, computed in float64 and rounded to float32 like the kernel."""
+    h = h.astype(np.float64)
+    sig = _sigmoid
+    out = {"fastgelu": lambda: h * sig(1.702 * h),
+           "gelu": lambda: h * sig(1.59576912 * (h + 0.044715 * h ** 3)),
+           "relu": lambda: np.maximum(h, 0.0),
+           "silu": lambda: h * sig(h)}
+    if name not in out:
+        raise ValueError(f"unknown activation {name!r}")
+    return out[name]().astype(np.float32)
+
+
+def round_to_dtype(y, dtype):
+    """float32 y rounded (nearest even) to "float16", "bfloat16" or "float32"; float32 values of
+    the result for bfloat16 (numpy has no bfloat16)."""
+    y = np.asarray(y, np.float32)
+    if dtype == "float16":
+        return y.astype(np.float16)
+    if dtype == "bfloat16":
+        bits = y.view(np.uint32).astype(np.uint64)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+        nan = np.isnan(y)
+        bits[nan] = (y[nan].view(np.uint32) | 0x400000) & 0xFFFF0000
+        return bits.view(np.float32)
+    return y
+
+
+def saturate_int8(v):
+    """round half to even, then clamp to [-128, 127] (NaN -> 0): float -> int8."""
+    r = np.rint(np.nan_to_num(np.asarray(v, np.float64), nan=0.0))
+    return np.clip(r, -128, 127).astype(np.int8)
+
+
+def moe_ffn_quant(x, expert_tokens, weight1, weight2, bias1, bias2, scale, offset, deq_scale1,
+                  deq_scale2, activation="fastgelu", tokens_index_flag=False, output_dtype=None):
+    """MoeFFN int8 path: exact integer products (int32, wrapping), float32 dequantisation with
+    19-bit dequant scales, round-half-even int8 requantisation. -> y [M, H] rounded to
+    output_dtype (default "float16")."""
+    x = np.asarray(x, np.int8)
+    m, h = x.shape
+    tokens = np.asarray(expert_tokens, np.int64)
+    ends = tokens if tokens_index_flag else np.cumsum(tokens)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    if len(tokens) and ((np.diff(np.concatenate([[0], ends])) < 0).any() or ends[-1] != m):
+        raise ValueError("expert_tokens do not describe the rows of x")
+    dq1, dq2 = _deq_scale_values(deq_scale1), _deq_scale_values(deq_scale2)
+    y = np.zeros((m, h), np.float32)
+    for e in range(len(tokens)):
+        rows = slice(starts[e], ends[e])
+        if starts[e] == ends[e]:
+            continue
+
+        def int32_sum(a, w, b):
+            acc = a.astype(np.int64) @ np.asarray(w, np.int64)
+            if b is not None:
+                acc = acc + np.asarray(b, np.int64)[e]
+            return acc.astype(np.uint64).astype(np.uint32).view(np.int32)  # int32 wrap-around
+
+        hid = int32_sum(x[rows], weight1[e], bias1).astype(np.float32) * dq1[e]
+        act = _quant_activation(activation, hid).astype(np.float64)
+        off = 0.0 if offset is None else float(np.float32(np.asarray(offset)[e]))
+        # a * scale + offset with one rounding to float32 (the kernel's fused multiply-add)
+        pre = (act * float(np.float32(np.asarray(scale)[e])) + off).astype(np.float32)
+        q = saturate_int8(pre)
+        y[rows] = int32_sum(q, weight2[e], bias2).astype(np.float32) * dq2[e]
+    return round_to_dtype(y, output_dtype or "float16")
