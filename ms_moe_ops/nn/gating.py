@@ -75,7 +75,8 @@ class GatingTopK(nn.Cell):
             weights = ops.gather_elements(scores, 1, expert_idx) * self.routed_scaling_factor
         counts = ops.unsorted_segment_sum(ops.ones(expert_idx.size, ms.float32),
                                           expert_idx.reshape(-1), self.num_experts)
-        ops.assign_add(self.tokens_per_expert, ops.stop_gradient(counts))
+        # depend: keeps the count update in the graph even when expert_idx is unused
+        weights = ops.depend(weights, ops.assign_add(self.tokens_per_expert, ops.stop_gradient(counts)))
         return weights, expert_idx
 
     def load(self):

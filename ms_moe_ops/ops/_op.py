@@ -91,7 +91,7 @@ class OpDef:
         return prim(*inputs, *scalars)
 
 
-@functools.lru_cache(None)
+@functools.lru_cache(None, typed=True)  # typed: k=2.0 must not hit the entry of k=2
 def _bind(op, **kwargs):
     """(primitive, trailing scalar arguments) for a call. Cached, and being no plain function
     MindSpore's graph compiler evaluates it in Python while it builds the graph."""
