@@ -241,3 +241,44 @@ def moe_ffn_quant(x, expert_tokens, weight1, weight2, bias1, bias2, scale, offse
         q = saturate_int8(pre)
         y[rows] = int32_sum(q, weight2[e], bias2).astype(np.float32) * dq2[e]
     return round_to_dtype(y, output_dtype or "float16")
+
+
+# -- token permutation (SPEC §5) -----------------------------------------------------------------
+
+def moe_token_permute(x, expert_idx, num_experts):
+    """-> (permuted [T*K, H] (x's values), sorted_index [T*K] int32, counts [E] int64).
+
+    sorted_index[t*K + k] is the permuted row holding slot k of token t; rows are grouped by
+    expert, in token order within an expert (stable sort)."""
+    x = np.asarray(x)
+    t, k = expert_idx.shape
+    flat = np.asarray(expert_idx).reshape(-1)
+    order = np.argsort(flat, kind="stable")  # source slot of each permuted row
+    sorted_index = np.empty(t * k, np.int32)
+    sorted_index[order] = np.arange(t * k)
+    counts = np.bincount(flat, minlength=num_experts).astype(np.int64)
+    return x[order // k], sorted_index, counts
+
+
+def moe_token_unpermute(permuted, sorted_index, probs=None, top_k=0):
+    """-> out [T, H] float64: out[t] = sum_k probs[t,k] * permuted[sorted_index[t*K + k]]."""
+    permuted = np.asarray(permuted, np.float64)
+    k = probs.shape[1] if probs is not None else (top_k or 1)
+    rows = permuted[sorted_index].reshape(-1, k, permuted.shape[1])
+    w = np.ones(rows.shape[:2]) if probs is None else np.asarray(probs, np.float64)
+    return (rows * w[..., None]).sum(axis=1)
+
+
+def moe_token_unpermute_backward(permuted, sorted_index, probs, grad_out, top_k=0):
+    """-> (grad_permuted [T*K, H], grad_probs [T, K]) float64 (grad_probs 0 without probs)."""
+    permuted = np.asarray(permuted, np.float64)
+    g = np.asarray(grad_out, np.float64)
+    t, h = g.shape
+    k = probs.shape[1] if probs is not None else (top_k or 1)
+    w = np.ones((t, k)) if probs is None else np.asarray(probs, np.float64)
+    grad_permuted = np.zeros_like(permuted)
+    grad_permuted[sorted_index] = (w[..., None] * g[:, None, :]).reshape(t * k, h)
+    grad_probs = np.zeros((t, k))
+    if probs is not None:
+        grad_probs = (permuted[sorted_index].reshape(t, k, h) * g[:, None, :]).sum(axis=-1)
+    return grad_permuted, grad_probs

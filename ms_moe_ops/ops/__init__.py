@@ -1,4 +1,6 @@
 """Functional API: every operator of the package."""
 from .gating import moe_gating_top_k, moe_gating_top_k_backward
+from .permute import moe_token_permute, moe_token_unpermute, moe_token_unpermute_backward
 
 __all__ = ["moe_gating_top_k", "moe_gating_top_k_backward"]
+__all__ += ["moe_token_permute", "moe_token_unpermute", "moe_token_unpermute_backward"]

@@ -1,0 +1,262 @@
+"""Token permutation for the MoE layer (SPEC §5): moe_token_permute groups the (token, slot) pairs
+by expert, moe_token_unpermute brings the expert outputs back and merges them per token.
+
+`sorted_index[t * K + k]` is the row of the permuted tensor that holds slot k of token t (the
+destination map, as returned by Ascend's moe_token_permute). Rows of one expert keep the token
+order (a stable sort), so expert e owns rows [sum(counts[:e]), sum(counts[:e + 1])).
+"""
+import mindspore as ms
+from mindspore import ops
+
+from ._checks import FLOATS, check_dtype, check_rank, check_shape
+from ._op import Attr, OpDef
+
+_INT32_ROWS = 2 ** 31 - 1  # sorted_index is int32
+
+# -- moe_token_permute -----------------------------------------------------------------------------
+
+_PERMUTE = "moe_token_permute"
+
+
+def _check_permute_attrs(a):
+    if a["num_experts"] < 1:
+        raise ValueError(f"{_PERMUTE}: attribute 'num_experts' must be >= 1, got {a['num_experts']}")
+
+
+def _infer_permute(a, x, expert_idx):
+    check_rank(_PERMUTE, "x", x, 2)
+    check_rank(_PERMUTE, "expert_idx", expert_idx, 2)
+    t, h = x
+    if expert_idx[0] != t:
+        raise ValueError(f"{_PERMUTE}: 'expert_idx' must have T={t} rows like 'x', got shape "
+                         f"{list(expert_idx)}")
+    n = t * expert_idx[1]
+    if n > _INT32_ROWS:
+        raise ValueError(f"{_PERMUTE}: T*K must fit in int32 (sorted_index), got {n}")
+    return [n, h], [n], [a["num_experts"]]
+
+
+def _infer_permute_dtype(a, x, expert_idx):
+    check_dtype(_PERMUTE, "x", x, FLOATS)
+    check_dtype(_PERMUTE, "expert_idx", expert_idx, ("int32",))
+    return x, "int32", "int64"
+
+
+def _permute_bprop(a):
+    def bprop(x, expert_idx, out, dout):
+        _, sorted_index, _ = out
+        d_permuted = dout[0]
+        # x[t] went to K rows: its gradient is their sum, an unweighted unpermute
+        dx = UNPERMUTE(d_permuted, sorted_index, None, top_k=expert_idx.shape[1])
+        return dx, ops.zeros_like(expert_idx)
+
+    return bprop
+
+
+def _permute_ascend(a):
+    num_experts = a["num_experts"]
+
+    def permute(x, expert_idx):
+        permuted, sorted_index = ops.moe_token_permute(x, expert_idx)
+        flat = expert_idx.reshape(-1)
+        counts = ops.tensor_scatter_elements(ops.zeros((num_experts,), ms.int64), flat,
+                                             ops.ones(flat.shape, ms.int64), axis=0,
+                                             reduction="add")
+        return permuted, sorted_index, counts
+
+    return permute
+
+
+PERMUTE = OpDef(
+    name=_PERMUTE,
+    inputs=("x", "expert_idx"),
+    outputs=("permuted", "sorted_index", "counts"),
+    attrs=(Attr("num_experts", int, 1),),
+    check_attrs=_check_permute_attrs,
+    infer=_infer_permute,
+    infer_dtype=_infer_permute_dtype,
+    cpu="MoeTokenPermute",
+    ascend=_permute_ascend,
+    bprop=_permute_bprop,
+)
+
+
+def moe_token_permute(x, expert_idx, num_experts):
+    """Groups the rows of x by expert: a stable counting sort of the T*K (token, slot) pairs.
+
+    Args:
+        x: [T, H] float32/float16/bfloat16 tokens.
+        expert_idx: [T, K] int32, the experts of each token (e.g. from moe_gating_top_k). An index
+            outside [0, num_experts) is a RuntimeError raised before anything is written.
+        num_experts: E, the number of experts.
+
+    Returns:
+        (permuted [T*K, H] dtype of x, sorted_index [T*K] int32, counts [E] int64):
+        `permuted[sorted_index[t*K + k]] == x[t]` (bitwise), rows grouped by expert in ascending
+        order and, within an expert, in token order; `counts[e]` rows for expert e (0 allowed).
+        Differentiable with respect to x (the gradient sums the K rows of each token).
+    """
+    return PERMUTE(x, expert_idx, num_experts=num_experts)
+
+
+# -- moe_token_unpermute ------------------------------------------------------------------------
+
+_UNPERMUTE = "moe_token_unpermute"
+_UNPERMUTE_BWD = "moe_token_unpermute_backward"
+
+
+def _check_top_k(op):
+    def check(a):
+        if a["top_k"] < 0:
+            raise ValueError(f"{op}: attribute 'top_k' must be >= 0 (0: probs.shape[1], or 1 "
+                             f"without probs), got {a['top_k']}")
+
+    return check
+
+
+def _unpermute_shapes(op, a, permuted, sorted_index, probs):
+    """(T, K, H) after validating the unpermute inputs."""
+    check_rank(op, "permuted", permuted, 2)
+    n, h = permuted
+    check_shape(op, "sorted_index", sorted_index, [n], "one entry per permuted row")
+    if probs is not None:
+        check_rank(op, "probs", probs, 2)
+        t, k = probs
+        if t * k != n:
+            raise ValueError(f"{op}: 'probs' [T, K] must have T*K = {n} (the permuted rows), got "
+                             f"shape {list(probs)}")
+        if a["top_k"] not in (0, k):
+            raise ValueError(f"{op}: attribute 'top_k' must be 0 or probs.shape[1]={k}, got "
+                             f"{a['top_k']}")
+        return t, k, h
+    k = a["top_k"] or 1
+    if n % k:
+        raise ValueError(f"{op}: the permuted rows ({n}) must be a multiple of attribute "
+                         f"'top_k', got top_k={k}")
+    return n // k, k, h
+
+
+def _unpermute_dtypes(op, permuted, sorted_index, probs):
+    check_dtype(op, "permuted", permuted, FLOATS)
+    check_dtype(op, "sorted_index", sorted_index, ("int32",))
+    if probs is not None:
+        check_dtype(op, "probs", probs, tuple(dict.fromkeys(("float32", permuted))))
+
+
+def _infer_unpermute(a, permuted, sorted_index, probs):
+    t, _, h = _unpermute_shapes(_UNPERMUTE, a, permuted, sorted_index, probs)
+    return ([t, h],)
+
+
+def _infer_unpermute_dtype(a, permuted, sorted_index, probs):
+    _unpermute_dtypes(_UNPERMUTE, permuted, sorted_index, probs)
+    return (permuted,)
+
+
+def _unpermute_bprop(a):
+    def bprop(permuted, sorted_index, probs, out, dout):
+        d_permuted, d_probs = UNPERMUTE_BACKWARD(permuted, sorted_index, probs, dout, top_k=a["top_k"])
+        return d_permuted, ops.zeros_like(sorted_index), (None if probs is None else d_probs)
+
+    return bprop
+
+
+def _unpermute_ascend(a):
+    top_k = a["top_k"]
+
+    def unpermute(permuted, sorted_index, probs):
+        if probs is None and top_k > 1:
+            # Ascend takes K from probs; unit weights give the plain sum over the K slots
+            probs = ops.ones((permuted.shape[0] // top_k, top_k), permuted.dtype)
+        if probs is not None:
+            probs = probs.astype(permuted.dtype)
+        return ops.moe_token_unpermute(permuted, sorted_index, probs)
+
+    return unpermute
+
+
+UNPERMUTE = OpDef(
+    name=_UNPERMUTE,
+    inputs=("permuted", "sorted_index", "probs"),
+    optional=("probs",),
+    outputs=("out",),
+    attrs=(Attr("top_k", int, 0),),
+    check_attrs=_check_top_k(_UNPERMUTE),
+    infer=_infer_unpermute,
+    infer_dtype=_infer_unpermute_dtype,
+    cpu="MoeTokenUnpermute",
+    ascend=_unpermute_ascend,
+    bprop=_unpermute_bprop,
+)
+
+
+def moe_token_unpermute(permuted, sorted_index, probs=None, top_k=0):
+    """Merges the expert rows back per token: out[t] = sum_k probs[t,k] * permuted[sorted_index[t*K+k]].
+
+    Args:
+        permuted: [T*K, H] float32/float16/bfloat16 (e.g. expert outputs in moe_token_permute's
+            order).
+        sorted_index: [T*K] int32 from moe_token_permute; it must be a permutation of
+            [0, T*K) (anything else is a RuntimeError raised before anything is written).
+        probs: [T, K] float32 or dtype of permuted, the weights; None means weight 1.
+        top_k: K when probs is None (default 1, as on Ascend); 0 or probs.shape[1] otherwise.
+
+    Returns:
+        [T, H] dtype of permuted, summed in float32. Differentiable with respect to permuted and
+        probs.
+    """
+    return UNPERMUTE(permuted, sorted_index, probs, top_k=top_k)
+
+
+def _infer_unpermute_backward(a, permuted, sorted_index, probs, grad_out):
+    t, k, h = _unpermute_shapes(_UNPERMUTE_BWD, a, permuted, sorted_index, probs)
+    check_shape(_UNPERMUTE_BWD, "grad_out", grad_out, [t, h], "the forward's output shape")
+    return list(permuted), [t, k]
+
+
+def _infer_unpermute_backward_dtype(a, permuted, sorted_index, probs, grad_out):
+    _unpermute_dtypes(_UNPERMUTE_BWD, permuted, sorted_index, probs)
+    check_dtype(_UNPERMUTE_BWD, "grad_out", grad_out, (permuted,))
+    return permuted, (probs or "float32")
+
+
+def _unpermute_backward_composed(a):
+    """Ascend: the gradients from MindSpore ops (the aclnn backward's binding is not exposed)."""
+    top_k = a["top_k"]
+
+    def backward(permuted, sorted_index, probs, grad_out):
+        t, h = grad_out.shape
+        k = probs.shape[1] if probs is not None else (top_k or 1)
+        index = sorted_index.astype(ms.int64).reshape(-1, 1)
+        rows = ops.broadcast_to(grad_out.reshape(t, 1, h), (t, k, h)).astype(ms.float32)
+        if probs is not None:
+            rows = rows * probs.astype(ms.float32).reshape(t, k, 1)
+        d_permuted = ops.scatter_nd(index, rows.reshape(t * k, h), permuted.shape)
+        if probs is None:
+            return d_permuted.astype(permuted.dtype), ops.zeros((t, k), ms.float32)
+        mine = ops.gather(permuted, sorted_index, 0).astype(ms.float32).reshape(t, k, h)
+        d_probs = (mine * grad_out.astype(ms.float32).reshape(t, 1, h)).sum(axis=-1)
+        return d_permuted.astype(permuted.dtype), d_probs.astype(probs.dtype)
+
+    return backward
+
+
+UNPERMUTE_BACKWARD = OpDef(
+    name=_UNPERMUTE_BWD,
+    inputs=("permuted", "sorted_index", "probs", "grad_out"),
+    optional=("probs",),
+    outputs=("grad_permuted", "grad_probs"),
+    attrs=(Attr("top_k", int, 0),),
+    check_attrs=_check_top_k(_UNPERMUTE_BWD),
+    infer=_infer_unpermute_backward,
+    infer_dtype=_infer_unpermute_backward_dtype,
+    cpu="MoeTokenUnpermuteBackward",
+    ascend=_unpermute_backward_composed,
+)
+
+
+def moe_token_unpermute_backward(permuted, sorted_index, probs, grad_out, top_k=0):
+    """Gradients of moe_token_unpermute: (grad_permuted [T*K, H] dtype of permuted, grad_probs
+    [T, K] dtype of probs (float32 zeros without probs)). grad_permuted[sorted_index[t*K+k]] =
+    probs[t,k] * grad_out[t]; grad_probs[t,k] = <permuted[sorted_index[t*K+k]], grad_out[t]>."""
+    return UNPERMUTE_BACKWARD(permuted, sorted_index, probs, grad_out, top_k=top_k)
