@@ -282,3 +282,60 @@ def moe_token_unpermute_backward(permuted, sorted_index, probs, grad_out, top_k=
     if probs is not None:
         grad_probs = (permuted[sorted_index].reshape(t, k, h) * g[:, None, :]).sum(axis=-1)
     return grad_permuted, grad_probs
+
+
+# -- SwiGLU with clamp, per-token weights and group index (SPEC §3) ------------------------------
+
+def _swiglu_rows(x, group_index):
+    """(x as [T, 2H] float64, trunc = min(sum(group_index), T))."""
+    x = np.asarray(x, np.float64)
+    rows = x.reshape(-1, x.shape[-1])
+    if group_index is None:
+        return rows, rows.shape[0]
+    counts = np.asarray(group_index, np.int64)
+    if (counts < 0).any():
+        raise ValueError("group_index: token counts must be >= 0")
+    return rows, int(min(counts.sum(), rows.shape[0]))
+
+
+def _swiglu_halves(rows, clamp_limit):
+    h = rows.shape[1] // 2
+    x0, x1 = rows[:, :h], rows[:, h:]
+    if clamp_limit > 0:
+        x0, x1 = np.minimum(x0, clamp_limit), np.clip(x1, -clamp_limit, clamp_limit)
+    return x0, x1
+
+
+def swiglu_group(x, weight=None, group_index=None, clamp_limit=0.0):
+    """-> y [.., H] float64. Without weight this is also the forward's y_origin."""
+    rows, trunc = _swiglu_rows(x, group_index)
+    x0, x1 = _swiglu_halves(rows, clamp_limit)
+    y = x0 * _sigmoid(x0) * x1
+    if weight is not None:
+        y = y * np.asarray(weight, np.float64).reshape(-1, 1)
+    y[trunc:] = 0
+    return y.reshape(np.shape(x)[:-1] + (rows.shape[1] // 2,))
+
+
+def swiglu_group_quant_grad(grad_y, x, weight=None, y_origin=None, group_index=None,
+                            clamp_limit=0.0):
+    """-> (grad_x [.., 2H] float64, grad_weight [.., 1] float64 or None)."""
+    rows, trunc = _swiglu_rows(x, group_index)
+    h = rows.shape[1] // 2
+    g = np.asarray(grad_y, np.float64).reshape(-1, h)
+    x0, x1 = _swiglu_halves(rows, clamp_limit)
+    s = _sigmoid(x0)
+    gy = g if weight is None else g * np.asarray(weight, np.float64).reshape(-1, 1)
+    gx0 = gy * x1 * s * (1 + x0 * (1 - s))
+    gx1 = gy * x0 * s
+    if clamp_limit > 0:
+        gx0 = gx0 * (rows[:, :h] < clamp_limit)
+        gx1 = gx1 * ((rows[:, h:] > -clamp_limit) & (rows[:, h:] < clamp_limit))
+    grad_x = np.concatenate([gx0, gx1], axis=1)
+    grad_x[trunc:] = 0
+    grad_weight = None
+    if weight is not None:
+        grad_weight = (g * np.asarray(y_origin, np.float64).reshape(-1, h)).sum(axis=1)
+        grad_weight[trunc:] = 0
+        grad_weight = grad_weight.reshape(np.shape(weight))
+    return grad_x.reshape(np.shape(x)), grad_weight

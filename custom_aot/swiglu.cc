@@ -1,0 +1,304 @@
+// SwiGLU kernels (SPEC §3): swiglu_group (forward, also returns the un-weighted y_origin) and
+// swiglu_group_quant_grad (the seed's SwigluGroupQuantGrad). Both are memory bound: one pass over
+// every tensor, rows in parallel, branch-free inner loops the compiler vectorises.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "common.h"
+
+namespace moe {
+namespace {
+
+// e^x for x <= 0 without libm, so the loops that call it vectorise (glibc's vector expf needs
+// -ffast-math). Cephes polynomial, ~1 ulp; x < -87 is clamped (the true value is < 1.7e-38).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln2)
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// sigma(a) and 1 - sigma(a), both from e^-|a| so neither overflows nor cancels.
+struct Sigmoid {
+  float s, one_minus_s;
+};
+inline Sigmoid sigmoid_pair(float a) {
+  const float e = exp_nonpositive(-std::fabs(a));
+  const float big = 1.f / (1.f + e), small = e * big;
+  return a >= 0.f ? Sigmoid{big, small} : Sigmoid{small, big};
+}
+
+// trunc = min(sum(counts), rows); a negative count is a data fault (reported before any write).
+int rows_to_process(const char *op, const Arg &group_index, int64_t rows, int64_t *trunc) {
+  *trunc = rows;
+  if (!group_index.present()) return 0;
+  if (group_index.dtype != DType::kI64) return fail(op, "'group_index' must be int64");
+  const int64_t *counts = group_index.as<int64_t>();
+  const int64_t g = group_index.numel();
+  int64_t sum = 0;
+  for (int64_t i = 0; i < g; ++i) {
+    if (counts[i] < 0)
+      return fail(op, "group_index[%lld] = %lld is negative (token counts must be >= 0)",
+                  (long long)i, (long long)counts[i]);
+    sum = std::min(sum + counts[i], rows);  // saturates: no overflow whatever the counts
+  }
+  *trunc = sum;
+  return 0;
+}
+
+struct Layout {
+  int64_t rows, h;  // x is [rows, 2h]
+};
+
+// Sizes every tensor must have; the Python infer functions guarantee them, this keeps the kernel
+// in bounds even when called directly.
+int check_layout(const char *op, const Arg &x, Layout *l) {
+  if (x.ndim < 1 || x.dim(-1) % 2 != 0) return fail(op, "'x' must have an even last dimension");
+  l->h = x.dim(-1) / 2;
+  l->rows = l->h ? x.numel() / (2 * l->h) : 0;
+  return 0;
+}
+
+int check_numel(const char *op, const char *name, const Arg &a, int64_t want) {
+  if (a.present() && a.numel() != want)
+    return fail(op, "'%s' has %lld elements, expected %lld", name, (long long)a.numel(),
+                (long long)want);
+  return 0;
+}
+
+// -- float32 row pieces (f16/bf16 rows go through them block by block) ------------------------
+
+template <bool kClamp>
+void swiglu_block(const float *x0, const float *x1, int64_t n, float c, float w, float *y,
+                  float *y_origin) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    float a = x0[j], b = x1[j];
+    if constexpr (kClamp) {
+      a = std::min(a, c);
+      b = std::min(std::max(b, -c), c);
+    }
+    const float yo = a * sigmoid_pair(a).s * b;
+    y_origin[j] = yo;
+    y[j] = yo * w;
+  }
+}
+
+// grad_x of a block (gy = grad_y * w); returns sum_j grad_y[j] * y_origin[j] (the weight's
+// gradient) when kWeight, else 0.
+template <bool kClamp, bool kWeight>
+float swiglu_grad_block(const float *grad_y, const float *x0, const float *x1,
+                        const float *y_origin, int64_t n, float c, float w, float *gx0,
+                        float *gx1) {
+  float gw = 0.f;
+#pragma omp simd reduction(+ : gw)
+  for (int64_t j = 0; j < n; ++j) {
+    const float a0 = x0[j], b0 = x1[j], g = grad_y[j];
+    float a = a0, b = b0;
+    if constexpr (kClamp) {
+      a = std::min(a, c);
+      b = std::min(std::max(b, -c), c);
+    }
+    const Sigmoid sg = sigmoid_pair(a);
+    const float gy = kWeight ? g * w : g;
+    float da = gy * b * sg.s * (1.f + a * sg.one_minus_s);
+    float db = gy * a * sg.s;
+    if constexpr (kClamp) {  // gradient passes only strictly inside the clamp (original x)
+      da = a0 < c ? da : 0.f;
+      db = (b0 > -c && b0 < c) ? db : 0.f;
+    }
+    gx0[j] = da;
+    gx1[j] = db;
+    if constexpr (kWeight) gw += g * y_origin[j];
+  }
+  return gw;
+}
+
+// -- float16/bfloat16 <-> float32 for one block (vector instructions; GCC 12 does not vectorise
+// _Float16 conversions by itself) ---------------------------------------------------------------
+
+constexpr int64_t kBlock = 512;  // 2 KiB of float32 per stream: stays in L1
+
+template <typename T>
+inline void load(const T *src, float *dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+template <typename T>
+inline void store(const float *src, T *dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = from_f32<T>(src[j]);
+}
+#if defined(__F16C__)
+template <>
+inline void load<f16>(const f16 *src, float *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
+  for (; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+template <>
+inline void store<f16>(const float *src, f16 *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm_storeu_si128((__m128i *)(dst + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+  for (; j < n; ++j) dst[j] = from_f32<f16>(src[j]);
+}
+#endif
+
+// -- rows -------------------------------------------------------------------------------------
+
+template <typename T, bool kClamp>
+void swiglu_row(const T *x, int64_t h, float c, float w, T *y, T *y_origin) {
+  if constexpr (std::is_same_v<T, float>) {
+    swiglu_block<kClamp>(x, x + h, h, c, w, y, y_origin);
+  } else {
+    float a[kBlock], b[kBlock], fy[kBlock], fyo[kBlock];
+    for (int64_t j = 0; j < h; j += kBlock) {
+      const int64_t n = std::min(kBlock, h - j);
+      load(x + j, a, n);
+      load(x + h + j, b, n);
+      swiglu_block<kClamp>(a, b, n, c, w, fy, fyo);
+      store(fy, y + j, n);
+      store(fyo, y_origin + j, n);
+    }
+  }
+}
+
+template <typename T, bool kClamp, bool kWeight>
+float swiglu_grad_row(const T *grad_y, const T *x, const T *y_origin, int64_t h, float c, float w,
+                      T *gx) {
+  if constexpr (std::is_same_v<T, float>) {
+    return swiglu_grad_block<kClamp, kWeight>(grad_y, x, x + h, y_origin, h, c, w, gx, gx + h);
+  } else {
+    float g[kBlock], a[kBlock], b[kBlock], yo[kBlock], da[kBlock], db[kBlock];
+    float gw = 0.f;
+    for (int64_t j = 0; j < h; j += kBlock) {
+      const int64_t n = std::min(kBlock, h - j);
+      load(grad_y + j, g, n);
+      load(x + j, a, n);
+      load(x + h + j, b, n);
+      if (kWeight) load(y_origin + j, yo, n);
+      gw += swiglu_grad_block<kClamp, kWeight>(g, a, b, yo, n, c, w, da, db);
+      store(da, gx + j, n);
+      store(db, gx + h + j, n);
+    }
+    return gw;
+  }
+}
+
+// -- forward ----------------------------------------------------------------------------------
+
+template <typename T>
+int swiglu_forward(const Args &args, Extra *extra) {
+  const char *op = "swiglu_group";
+  const Arg x = args[0], weight = args[1], group_index = args[2], y = args[3], y_origin = args[4];
+  Layout l;
+  if (int rc = check_layout(op, x, &l)) return rc;
+  if (int rc = check_numel(op, "weight", weight, l.rows)) return rc;
+  if (int rc = check_numel(op, "y", y, l.rows * l.h)) return rc;
+  if (int rc = check_numel(op, "y_origin", y_origin, l.rows * l.h)) return rc;
+  int64_t trunc;
+  if (int rc = rows_to_process(op, group_index, l.rows, &trunc)) return rc;
+  const float c = extra->GetAttrFloat("clamp_limit");
+  const bool clamp = c > 0.f;
+  const float *w = weight.present() ? weight.as<float>() : nullptr;
+  const int64_t h = l.h;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < l.rows; ++t) {
+    T *yr = y.as<T>() + t * h, *yo = y_origin.as<T>() + t * h;
+    if (t >= trunc) {
+      std::fill(yr, yr + h, from_f32<T>(0.f));
+      std::fill(yo, yo + h, from_f32<T>(0.f));
+      continue;
+    }
+    const T *xr = x.as<T>() + t * 2 * h;
+    const float wt = w ? w[t] : 1.f;
+    if (clamp) swiglu_row<T, true>(xr, h, c, wt, yr, yo);
+    else swiglu_row<T, false>(xr, h, c, wt, yr, yo);
+  }
+  return 0;
+}
+
+// -- backward ---------------------------------------------------------------------------------
+
+template <typename T>
+int swiglu_backward(const Args &args, Extra *extra) {
+  const char *op = "swiglu_group_quant_grad";
+  const Arg grad_y = args[0], x = args[1], weight = args[2], y_origin = args[3],
+            group_index = args[4], grad_x = args[5], grad_weight = args[6];
+  Layout l;
+  if (int rc = check_layout(op, x, &l)) return rc;
+  const int64_t h = l.h;
+  if (int rc = check_numel(op, "grad_y", grad_y, l.rows * h)) return rc;
+  if (int rc = check_numel(op, "weight", weight, l.rows)) return rc;
+  if (int rc = check_numel(op, "y_origin", y_origin, l.rows * h)) return rc;
+  if (int rc = check_numel(op, "grad_x", grad_x, l.rows * 2 * h)) return rc;
+  if (int rc = check_numel(op, "grad_weight", grad_weight, l.rows)) return rc;
+  if (weight.present() && !y_origin.present())
+    return fail(op, "'weight' needs 'y_origin' to compute the weight's gradient");
+  int64_t trunc;
+  if (int rc = rows_to_process(op, group_index, l.rows, &trunc)) return rc;
+  const float c = extra->GetAttrFloat("clamp_limit");
+  const bool clamp = c > 0.f, weighted = weight.present();
+  float *gw = grad_weight.present() ? grad_weight.as<float>() : nullptr;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < l.rows; ++t) {
+    T *gx = grad_x.as<T>() + t * 2 * h;
+    float gwt = 0.f;
+    if (t < trunc) {
+      const T *gy = grad_y.as<T>() + t * h, *xr = x.as<T>() + t * 2 * h;
+      if (weighted) {
+        const T *yo = y_origin.as<T>() + t * h;
+        const float wt = weight.as<float>()[t];
+        gwt = clamp ? swiglu_grad_row<T, true, true>(gy, xr, yo, h, c, wt, gx)
+                    : swiglu_grad_row<T, false, true>(gy, xr, yo, h, c, wt, gx);
+      } else {
+        if (clamp) swiglu_grad_row<T, true, false>(gy, xr, nullptr, h, c, 1.f, gx);
+        else swiglu_grad_row<T, false, false>(gy, xr, nullptr, h, c, 1.f, gx);
+      }
+    } else {
+      std::fill(gx, gx + 2 * h, from_f32<T>(0.f));
+    }
+    if (gw) gw[t] = gwt;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+using namespace moe;
+
+// inputs: x [.., 2H], weight [.., 1] f32 or None, group_index [G] int64 or None;
+// outputs: y [.., H], y_origin [.., H] (un-weighted); attr clamp_limit (> 0: clamp on)
+MOE_EXPORT int SwigluGroup(int nparam, void **params, int *ndims, int64_t **shapes,
+                           const char **dtypes, void *stream, void *extra) {
+  const Args args{nparam, params, ndims, shapes, dtypes};
+  return dispatch_float("swiglu_group", args[0].dtype, [&](auto tag) {
+    return swiglu_forward<decltype(tag)>(args, static_cast<Extra *>(extra));
+  });
+}
+
+// inputs: grad_y [.., H], x [.., 2H], weight [.., 1] f32 or None, y_origin [.., H] or None,
+// group_index [G] int64 or None; outputs: grad_x [.., 2H], grad_weight [.., 1] f32 (zeros
+// without weight); attr clamp_limit (> 0: clamp on)
+MOE_EXPORT int SwigluGroupQuantGrad(int nparam, void **params, int *ndims, int64_t **shapes,
+                                    const char **dtypes, void *stream, void *extra) {
+  const Args args{nparam, params, ndims, shapes, dtypes};
+  return dispatch_float("swiglu_group_quant_grad", args[1].dtype, [&](auto tag) {
+    return swiglu_backward<decltype(tag)>(args, static_cast<Extra *>(extra));
+  });
+}

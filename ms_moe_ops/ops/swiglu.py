@@ -1,0 +1,205 @@
+"""SwiGLU with clamp, per-token weights and group index (SPEC §3): swiglu_group and its backward
+swiglu_group_quant_grad (the seed aclnnSwigluGroupQuantGrad; no quantisation happens in it).
+
+clamp_limit: c > 0 turns the clamp on, c <= 0 turns it off. The Ascend kernel rejects 0 and reads
+-1 as "off", so the attribute is normalised once in `_check_clamp`: every value <= 0 becomes -1.0,
+which the CPU kernels (c > 0 test) and the aclnn call both read as "off".
+"""
+import math
+
+import mindspore as ms
+from mindspore import ops
+
+from ._checks import FLOATS, check_dtype, check_rank, check_same_dtype, check_shape
+from ._op import Attr, OpDef
+
+_FWD = "swiglu_group"
+_BWD = "swiglu_group_quant_grad"
+CLAMP_OFF = -1.0
+
+
+def _check_clamp(op):
+    def check(a):
+        c = a["clamp_limit"]
+        if math.isnan(c) or math.isinf(c):
+            raise ValueError(f"{op}: attribute 'clamp_limit' must be a finite number "
+                             f"(> 0 turns the clamp on, <= 0 off), got {c}")
+        if c <= 0:
+            a["clamp_limit"] = CLAMP_OFF
+    return check
+
+
+def _check_x(op, x):
+    check_rank(op, "x", x, (2, 3))
+    if x[-1] % 2 or x[-1] == 0:
+        raise ValueError(f"{op}: the last dimension of 'x' must be even and positive (x0 | x1 "
+                         f"halves), got shape {list(x)}")
+    return list(x[:-1]), x[-1] // 2
+
+
+def _check_weight_and_groups(op, lead, weight, group_index):
+    if weight is not None:
+        check_shape(op, "weight", weight, lead + [1], "one value per token")
+    if group_index is not None:
+        check_rank(op, "group_index", group_index, 1)
+
+
+def _check_weight_dtypes(op, weight, group_index):
+    if weight is not None:
+        check_dtype(op, "weight", weight, ("float32",))
+    if group_index is not None:
+        check_dtype(op, "group_index", group_index, ("int64",))
+
+
+# -- forward ------------------------------------------------------------------------------------
+
+def _infer_forward(a, x, weight, group_index):
+    lead, h = _check_x(_FWD, x)
+    _check_weight_and_groups(_FWD, lead, weight, group_index)
+    return lead + [h], lead + [h]
+
+
+def _infer_forward_dtype(a, x, weight, group_index):
+    check_dtype(_FWD, "x", x, FLOATS)
+    _check_weight_dtypes(_FWD, weight, group_index)
+    return x, x
+
+
+def _row_mask(rows_shape, group_index):
+    """[.., 1] float32: 1 for the first min(sum(group_index), T) rows, 0 after."""
+    rows = 1
+    for d in rows_shape:
+        rows *= d
+    trunc = ops.minimum(group_index.sum(), rows)
+    keep = (ops.arange(rows, dtype=ms.int64) < trunc).astype(ms.float32)
+    return keep.reshape(tuple(rows_shape) + (1,))
+
+
+def _swiglu_composed(a):
+    """The forward from MindSpore ops (Ascend has no aclnn kernel for it)."""
+    c = a["clamp_limit"]
+
+    def forward(x, weight, group_index):
+        x0, x1 = ops.chunk(x.astype(ms.float32), 2, axis=-1)
+        if c > 0:
+            x0 = ops.minimum(x0, c)
+            x1 = ops.clamp(x1, -c, c)
+        y_origin = ops.silu(x0) * x1
+        if group_index is not None:
+            y_origin = y_origin * _row_mask(x.shape[:-1], group_index)
+        y = y_origin if weight is None else y_origin * weight
+        return y.astype(x.dtype), y_origin.astype(x.dtype)
+
+    return forward
+
+
+def _swiglu_bprop(a):
+    clamp_limit = a["clamp_limit"]
+
+    def bprop(x, weight, group_index, out, dout):
+        # y_origin is an internal output (swiglu_group returns y only): its gradient is zero.
+        dy = dout[0]
+        if weight is None:
+            grad_x, _ = SWIGLU_GROUP_QUANT_GRAD(dy, x, None, None, group_index,
+                                                clamp_limit=clamp_limit)
+            grad_w = None
+        else:
+            grad_x, grad_w = SWIGLU_GROUP_QUANT_GRAD(dy, x, weight, out[1], group_index,
+                                                     clamp_limit=clamp_limit)
+        return grad_x, grad_w, (None if group_index is None else ops.zeros_like(group_index))
+
+    return bprop
+
+
+SWIGLU_GROUP = OpDef(
+    name=_FWD,
+    inputs=("x", "weight", "group_index"),
+    optional=("weight", "group_index"),
+    outputs=("y", "y_origin"),
+    attrs=(Attr("clamp_limit", float, 0.0),),
+    check_attrs=_check_clamp(_FWD),
+    infer=_infer_forward,
+    infer_dtype=_infer_forward_dtype,
+    cpu="SwigluGroup",
+    ascend=_swiglu_composed,
+    bprop=_swiglu_bprop,
+)
+
+
+def swiglu_group(x, weight=None, group_index=None, clamp_limit=0.0):
+    """SwiGLU of the two halves of x, optionally clamped, weighted per token and truncated.
+
+    Per row t < trunc: x0' = min(x0, c), x1' = clamp(x1, -c, c) when clamp_limit c > 0;
+    y = silu(x0') * x1' * weight[t]. Rows t >= trunc = min(sum(group_index), T) are 0.
+
+    Args:
+        x: [T, 2H] or [B, S, 2H] float32/float16/bfloat16 (gate half first).
+        weight: [T, 1] or [B, S, 1] float32 per-token weight (e.g. routing probability), or None.
+        group_index: 1-D int64 tensor of per-group token COUNTS, or None (all rows). A negative
+            count is a RuntimeError raised before anything is written.
+        clamp_limit: > 0 clamps as above; <= 0 disables the clamp.
+
+    Returns:
+        y: [.., H], dtype of x. Differentiable with respect to x and weight (the backward is
+        swiglu_group_quant_grad). On Ascend the forward is composed from MindSpore ops and its
+        gradient comes from MindSpore's autodiff of that composition.
+    """
+    return SWIGLU_GROUP(x, weight, group_index, clamp_limit=clamp_limit)[0]
+
+
+# -- backward -----------------------------------------------------------------------------------
+
+def _infer_backward(a, grad_y, x, weight, y_origin, group_index):
+    lead, h = _check_x(_BWD, x)
+    check_shape(_BWD, "grad_y", grad_y, lead + [h], "x's shape with the last dim halved")
+    if weight is not None and y_origin is None:
+        raise ValueError(f"{_BWD}: 'weight' needs 'y_origin' (the un-weighted forward output) to "
+                         f"compute the weight's gradient, got y_origin=None")
+    if y_origin is not None:
+        check_shape(_BWD, "y_origin", y_origin, lead + [h], "the shape of grad_y")
+    _check_weight_and_groups(_BWD, lead, weight, group_index)
+    return list(x), lead + [1]
+
+
+def _infer_backward_dtype(a, grad_y, x, weight, y_origin, group_index):
+    check_dtype(_BWD, "x", x, FLOATS)
+    check_same_dtype(_BWD, "grad_y", grad_y, "x", x)
+    if y_origin is not None:
+        check_same_dtype(_BWD, "y_origin", y_origin, "x", x)
+    _check_weight_dtypes(_BWD, weight, group_index)
+    return x, "float32"
+
+
+SWIGLU_GROUP_QUANT_GRAD = OpDef(
+    name=_BWD,
+    inputs=("grad_y", "x", "weight", "y_origin", "group_index"),
+    optional=("weight", "y_origin", "group_index"),
+    outputs=("grad_x", "grad_weight"),
+    attrs=(Attr("clamp_limit", float, 0.0),),
+    check_attrs=_check_clamp(_BWD),
+    infer=_infer_backward,
+    infer_dtype=_infer_backward_dtype,
+    cpu="SwigluGroupQuantGrad",
+    aclnn="aclnnSwigluGroupQuantGrad",
+    aclnn_args=("grad_y", "x", "weight", "y_origin", "group_index", "clamp_limit"),
+)
+
+
+def swiglu_group_quant_grad(grad_y, x, weight=None, y_origin=None, group_index=None,
+                            clamp_limit=0.0):
+    """Gradient of swiglu_group (SPEC §3; Ascend: aclnnSwigluGroupQuantGrad).
+
+    Args:
+        grad_y: [.., H], dtype of x: the gradient of y. x: [.., 2H] the forward input.
+        weight: [.., 1] float32 or None; needs y_origin (ValueError otherwise).
+        y_origin: [.., H] the UN-weighted forward output (swiglu_group without weight), or None.
+        group_index: 1-D int64 per-group token counts, or None. clamp_limit: as in swiglu_group;
+            the gradient passes only where x0 < c and -c < x1 < c (strict).
+
+    Returns:
+        (grad_x [.., 2H] dtype of x, grad_weight [.., 1] float32 or None when weight is None).
+        Rows t >= min(sum(group_index), T) get zero gradients.
+    """
+    grad_x, grad_weight = SWIGLU_GROUP_QUANT_GRAD(grad_y, x, weight, y_origin, group_index,
+                                                  clamp_limit=clamp_limit)
+    return grad_x, (None if weight is None else grad_weight)
