@@ -12,7 +12,7 @@ from .ffn import ACTIVATIONS, MoeFFN
 from .gating import GatingTopK
 
 __all__ = ["MoELayer", "SharedExperts", "moe_layers", "expert_load", "load_imbalance",
-           "update_expert_bias", "convert_deepseek_v3_moe"]
+           "update_expert_bias", "reset_expert_load", "convert_deepseek_v3_moe"]
 
 
 class SharedExperts(nn.Cell):
@@ -139,6 +139,14 @@ def update_expert_bias(model):
     for layer in moe_layers(model):
         layer.router.update_expert_bias()
     return load
+
+
+def reset_expert_load(model):
+    """Forgets the routed-token counts of every MoELayer (e.g. after an evaluation pass, whose
+    tokens should not steer the balancing)."""
+    for layer in moe_layers(model):
+        counts = layer.router.tokens_per_expert
+        counts.set_data(ops.zeros(counts.shape, counts.dtype))
 
 
 # -- checkpoints --------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""The model and data of train_moe.py: a character-level decoder-only transformer whose
+feed-forward blocks are ms_moe_ops.MoELayer, and the Python documentation text as its corpus."""
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from ms_moe_ops import MoELayer
+
+
+class CharData:
+    """pydoc_data.topics (the text of Python's `help()` topics, ~460k characters) as character
+    ids; the first 90% trains, the last 10% validates."""
+
+    def __init__(self, val_frac=0.1):
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[key] for key in sorted(topics))
+        text = "".join(c if c.isascii() else "?" for c in text)  # keep the vocabulary small
+        self.chars = sorted(set(text))
+        self.vocab_size = len(self.chars)
+        self.index = {c: i for i, c in enumerate(self.chars)}
+        ids = np.array([self.index[c] for c in text], np.int32)
+        split = int(len(ids) * (1 - val_frac))
+        self.train, self.val = ids[:split], ids[split:]
+
+    def batch(self, split, batch_size, seq_len, rng):
+        """(inputs [B, S], next-character targets [B, S]) from random offsets."""
+        ids = self.train if split == "train" else self.val
+        start = rng.integers(0, len(ids) - seq_len - 1, batch_size)
+        rows = start[:, None] + np.arange(seq_len + 1)
+        chunk = ids[rows]
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+class CausalSelfAttention(nn.Cell):
+    def __init__(self, d_model, heads, seq_len):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Dense(d_model, 3 * d_model, has_bias=False,
+                            weight_init=Normal(0.02))
+        self.proj = nn.Dense(d_model, d_model, has_bias=False, weight_init=Normal(0.02))
+        self.scale = float((d_model // heads) ** -0.5)
+        mask = np.triu(np.full((seq_len, seq_len), -1e9, np.float32), 1)
+        self.mask = Tensor(mask)
+
+    def construct(self, x):
+        b, s, d = x.shape
+        qkv = self.qkv(x).reshape(b, s, 3, self.heads, d // self.heads).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        att = ops.matmul(q, k.swapaxes(-1, -2)) * self.scale + self.mask[:s, :s]
+        y = ops.matmul(ops.softmax(att, -1), v)
+        return self.proj(y.transpose(0, 2, 1, 3).reshape(b, s, d))
+
+
+class Block(nn.Cell):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + MoE(norm(x))."""
+
+    def __init__(self, d_model, heads, seq_len, ffn, experts, top_k, shared, bias_update_rate):
+        super().__init__()
+        self.norm1 = nn.LayerNorm((d_model,))
+        self.attn = CausalSelfAttention(d_model, heads, seq_len)
+        self.norm2 = nn.LayerNorm((d_model,))
+        self.moe = MoELayer(d_model, ffn, experts, top_k, n_shared_experts=shared,
+                            bias_update_rate=bias_update_rate)
+
+    def construct(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.moe(self.norm2(x))
+
+
+class MoELanguageModel(nn.Cell):
+    """ids [B, S] int32 -> next-character logits [B * S, vocab]."""
+
+    def __init__(self, vocab_size, seq_len, d_model, heads, layers, ffn, experts, top_k, shared,
+                 bias_update_rate):
+        super().__init__()
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, d_model, embedding_table=Normal(0.02))
+        self.pos = Parameter(initializer(Normal(0.02), (seq_len, d_model), ms.float32), name="pos")
+        self.blocks = nn.CellList([Block(d_model, heads, seq_len, ffn, experts, top_k, shared,
+                                         bias_update_rate) for _ in range(layers)])
+        self.norm = nn.LayerNorm((d_model,))
+        self.head = nn.Dense(d_model, vocab_size, weight_init=Normal(0.02))
+
+    def construct(self, ids):
+        s = ids.shape[1]
+        x = self.embed(ids) + self.pos[:s]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)).reshape(-1, self.vocab_size)
+
+    def sample(self, data, prompt, length, rng, temperature=0.8):
+        """Generates `length` characters after `prompt` (>= seq_len ids), one window at a time."""
+        ids = list(prompt[-self.seq_len:])
+        out = []
+        for _ in range(length):
+            window = Tensor(np.array(ids[-self.seq_len:], np.int32)[None])
+            logits = self(window).asnumpy()[-1].astype(np.float64) / temperature
+            p = np.exp(logits - logits.max())
+            nxt = int(rng.choice(len(p), p=p / p.sum()))
+            ids.append(nxt)
+            out.append(nxt)
+        return data.decode(out)

@@ -1,0 +1,208 @@
+"""Train a small Mixture-of-Experts language model with ms_moe_ops.
+
+A character-level decoder-only transformer (causal self-attention + MoELayer feed-forward blocks
+with a shared expert) learns the Python documentation text that ships with Python itself
+(`pydoc_data.topics`), in GRAPH mode, with DeepSeek-V3's auxiliary-loss-free load balancing.
+
+    python examples/train_moe.py                      # ~5 minutes on 2 CPU cores
+    python examples/train_moe.py --steps 50 --experts 16 --top-k 4 --out runs/e16
+
+Writes to --out: the checkpoint (moe_lm.ckpt), loss.png (train/val loss), expert_load.png
+(tokens per expert over time, per layer), and prints a summary and a sampled text.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_lm import MoELanguageModel, CharData  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=500, help="training steps")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--shared-experts", type=int, default=1, help="always-on experts (0 = none)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--ffn", type=int, default=128, help="hidden width of each expert")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (Adam, cosine decay)")
+    p.add_argument("--bias-update-rate", type=float, default=5e-3,
+                   help="aux-loss-free balancing: expert-bias step per training step")
+    p.add_argument("--eval-every", type=int, default=50, help="validation interval (steps)")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
+    p.add_argument("--sample-chars", type=int, default=300, help="length of the sampled text")
+    p.add_argument("--device", choices=("CPU", "Ascend"), default="CPU")
+    p.add_argument("--mode", choices=("graph", "pynative"), default="graph")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/moe_lm", help="output directory")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import mindspore as ms
+    from mindspore import nn
+    from tqdm import tqdm
+
+    import ms_moe_ops
+
+    ms.set_device(args.device)
+    ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
+    ms.set_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    os.makedirs(args.out, exist_ok=True)
+
+    data = CharData()
+    net = MoELanguageModel(data.vocab_size, args.seq_len, args.d_model, args.heads, args.layers,
+                           args.ffn, args.experts, args.top_k, args.shared_experts,
+                           args.bias_update_rate)
+    with_loss = nn.WithLossCell(net, nn.CrossEntropyLoss())
+    lr = cosine_schedule(args.lr, args.steps)
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=ms.Tensor(lr, ms.float32))
+    train_step = nn.TrainOneStepCell(with_loss, optimizer)
+    train_step.set_train()
+    evaluate = nn.WithLossCell(net, nn.CrossEntropyLoss())  # same weights, forward only
+
+    total, active = count_params(net, args)
+    print(f"{args.layers} layers, d_model {args.d_model}, {args.experts} experts (top-{args.top_k}) "
+          f"+ {args.shared_experts} shared; {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M "
+          f"active per token; text: {len(data.train)} train / {len(data.val)} val chars, "
+          f"vocabulary {data.vocab_size}; {args.mode} mode on {args.device}")
+
+    def val_loss():
+        losses = [float(evaluate(*tensors(data.batch("val", args.batch_size, args.seq_len, rng))))
+                  for _ in range(args.eval_batches)]
+        ms_moe_ops.reset_expert_load(net)  # evaluation tokens must not steer the balancing
+        return float(np.mean(losses))
+
+    def tensors(batch):
+        return ms.Tensor(batch[0], ms.int32), ms.Tensor(batch[1].reshape(-1), ms.int32)
+
+    train_losses, val_points, loads = [], [], []
+    tokens = args.batch_size * args.seq_len
+    start = time.time()
+    first_step_time = None
+    bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        loss = float(train_step(*tensors(data.batch("train", args.batch_size, args.seq_len, rng))))
+        load = ms_moe_ops.update_expert_bias(net)  # tokens per expert of this step, then rebalance
+        dt = time.time() - t0
+        if first_step_time is None:
+            first_step_time = dt  # includes the graph compilation
+        train_losses.append(loss)
+        loads.append(load)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            val_points.append((step + 1, val_loss()))
+        postfix = {"loss": f"{np.mean(train_losses[-10:]):.3f}",
+                   "tok/s": f"{tokens / max(dt, 1e-9):.0f}",
+                   "imbalance": f"{max(ms_moe_ops.load_imbalance(load)):.2f}"}
+        if val_points:
+            postfix["val"] = f"{val_points[-1][1]:.3f}"
+        bar.set_postfix(postfix)
+    elapsed = time.time() - start
+    loads = np.stack(loads)  # [steps, layers, experts]
+
+    ckpt = os.path.join(args.out, "moe_lm.ckpt")
+    ms.save_checkpoint(net, ckpt)
+    plot_losses(train_losses, val_points, os.path.join(args.out, "loss.png"))
+    plot_expert_load(loads, os.path.join(args.out, "expert_load.png"))
+
+    window = max(1, min(20, args.steps // 5))
+    steady = (elapsed - first_step_time) / max(1, args.steps - 1)
+    head_imb = [f"{v:.2f}" for v in ms_moe_ops.load_imbalance(loads[:window].sum(0))]
+    tail_imb = [f"{v:.2f}" for v in ms_moe_ops.load_imbalance(loads[-window:].sum(0))]
+    print("\n== summary ==")
+    print(f"steps {args.steps}, {elapsed:.1f} s ({first_step_time:.1f} s first step with "
+          f"compilation, then {tokens / steady:.0f} tokens/s)")
+    print(f"train loss {np.mean(train_losses[:window]):.3f} -> {np.mean(train_losses[-window:]):.3f}"
+          f" (mean of {window} steps); val loss {val_points[0][1]:.3f} (step {val_points[0][0]})"
+          f" -> {val_points[-1][1]:.3f} (step {val_points[-1][0]}); uniform guess "
+          f"{np.log(data.vocab_size):.3f}")
+    print(f"load imbalance (max/mean tokens per expert, per layer): first {window} steps "
+          f"{head_imb} -> last {window} steps {tail_imb}")
+    print(f"wrote {ckpt}, {os.path.join(args.out, 'loss.png')}, "
+          f"{os.path.join(args.out, 'expert_load.png')}")
+
+    prompt = data.val[:args.seq_len]
+    text = net.sample(data, prompt, args.sample_chars, rng)
+    print("\n== sample (prompt from the validation text, then generated) ==")
+    print(data.decode(prompt) + "|" + text)
+    return {"train_loss": train_losses, "val": val_points, "loads": loads, "elapsed": elapsed}
+
+
+def cosine_schedule(peak, steps, warmup_frac=0.05):
+    warmup = max(1, int(steps * warmup_frac))
+    s = np.arange(steps, dtype=np.float64)
+    lr = np.where(s < warmup, peak * (s + 1) / warmup,
+                  0.1 * peak + 0.9 * peak * 0.5 * (1 + np.cos(np.pi * (s - warmup) / max(1, steps - warmup))))
+    return lr.astype(np.float32)
+
+
+def count_params(net, args):
+    total = sum(int(np.prod(p.shape)) for p in net.trainable_params())
+    routed = sum(int(np.prod(p.shape)) for p in net.trainable_params() if ".experts." in p.name)
+    return total, total - routed + routed * args.top_k // args.experts
+
+
+def plot_losses(train_losses, val_points, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = np.arange(1, len(train_losses) + 1)
+    ax.plot(steps, train_losses, color="tab:blue", alpha=0.25, lw=0.8)
+    k = max(1, len(train_losses) // 50)
+    smooth = np.convolve(train_losses, np.ones(k) / k, mode="valid")
+    ax.plot(steps[k - 1:], smooth, color="tab:blue", label="train")
+    if val_points:
+        vs, vl = zip(*val_points)
+        ax.plot(vs, vl, "o-", color="tab:orange", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / char)")
+    ax.set_title("MoE character language model")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_expert_load(loads, path):
+    """loads [steps, layers, experts]: share of the routed tokens per expert over time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, layers, experts = loads.shape
+    k = max(1, steps // 50)
+    fig, axes = plt.subplots(layers, 1, figsize=(7, 2.6 * layers), squeeze=False, sharex=True)
+    for layer in range(layers):
+        share = loads[:, layer] / np.maximum(loads[:, layer].sum(1, keepdims=True), 1)
+        share = np.stack([np.convolve(share[:, e], np.ones(k) / k, mode="valid")
+                          for e in range(experts)])
+        ax = axes[layer, 0]
+        ax.stackplot(np.arange(k, steps + 1), share, labels=[f"expert {e}" for e in range(experts)])
+        ax.set_ylim(0, 1)
+        ax.set_ylabel(f"layer {layer}\nshare of tokens")
+    axes[-1, 0].set_xlabel("step")
+    axes[0, 0].set_title(f"tokens per expert (perfect balance: bands of {1 / experts:.3f})")
+    if experts <= 16:
+        axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
