@@ -12,6 +12,9 @@
 
 #include "ffn.h"
 
+// GCC 12 reports its own AVX-512 intrinsics (the `__Y = __Y` idiom) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 namespace moe {
 namespace {
 
@@ -79,25 +82,36 @@ struct PackedB {
 // acc[r][j] = sum_k a_r[k] * B[k, panel column j] for kMR rows (unsigned a, K padded to 4).
 void tile(const uint8_t *const *a, const int8_t *b, int64_t k4, int32_t (*acc)[kNR]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-  __m512i c[kMR][4];
-  for (int r = 0; r < kMR; ++r)
-    for (int v = 0; v < 4; ++v) c[r][v] = _mm512_setzero_si512();
+  // Named accumulators: GCC spills an array of vectors to the stack on every step.
+  static_assert(kMR == 6 && kNR == 64, "the register tile below is 6 x 64");
+#define MOE_ROW(r) __m512i c##r##0 = _mm512_setzero_si512(), c##r##1 = c##r##0, c##r##2 = c##r##0, \
+                           c##r##3 = c##r##0;
+  MOE_ROW(0) MOE_ROW(1) MOE_ROW(2) MOE_ROW(3) MOE_ROW(4) MOE_ROW(5)
+#undef MOE_ROW
   for (int64_t q = 0; q < k4; ++q) {
     const int8_t *bq = b + q * kNR * 4;
     const __m512i b0 = _mm512_loadu_si512(bq), b1 = _mm512_loadu_si512(bq + 64);
     const __m512i b2 = _mm512_loadu_si512(bq + 128), b3 = _mm512_loadu_si512(bq + 192);
-    for (int r = 0; r < kMR; ++r) {
-      int32_t four;
-      std::memcpy(&four, a[r] + q * 4, 4);
-      const __m512i av = _mm512_set1_epi32(four);
-      c[r][0] = _mm512_dpbusd_epi32(c[r][0], av, b0);
-      c[r][1] = _mm512_dpbusd_epi32(c[r][1], av, b1);
-      c[r][2] = _mm512_dpbusd_epi32(c[r][2], av, b2);
-      c[r][3] = _mm512_dpbusd_epi32(c[r][3], av, b3);
-    }
+#define MOE_ROW(r)                                           \
+  {                                                          \
+    int32_t four;                                            \
+    std::memcpy(&four, a[r] + q * 4, 4);                     \
+    const __m512i av = _mm512_set1_epi32(four);              \
+    c##r##0 = _mm512_dpbusd_epi32(c##r##0, av, b0);          \
+    c##r##1 = _mm512_dpbusd_epi32(c##r##1, av, b1);          \
+    c##r##2 = _mm512_dpbusd_epi32(c##r##2, av, b2);          \
+    c##r##3 = _mm512_dpbusd_epi32(c##r##3, av, b3);          \
   }
-  for (int r = 0; r < kMR; ++r)
-    for (int v = 0; v < 4; ++v) _mm512_storeu_si512(acc[r] + 16 * v, c[r][v]);
+    MOE_ROW(0) MOE_ROW(1) MOE_ROW(2) MOE_ROW(3) MOE_ROW(4) MOE_ROW(5)
+#undef MOE_ROW
+  }
+#define MOE_ROW(r)                                  \
+  _mm512_storeu_si512(acc[r], c##r##0);             \
+  _mm512_storeu_si512(acc[r] + 16, c##r##1);        \
+  _mm512_storeu_si512(acc[r] + 32, c##r##2);        \
+  _mm512_storeu_si512(acc[r] + 48, c##r##3);
+  MOE_ROW(0) MOE_ROW(1) MOE_ROW(2) MOE_ROW(3) MOE_ROW(4) MOE_ROW(5)
+#undef MOE_ROW
 #else
   // Portable version of the same arithmetic (uint32 sums wrap like the instruction's).
   for (int r = 0; r < kMR; ++r) {
@@ -139,6 +153,71 @@ inline int8_t saturate_int8(float v) {
   const float r = std::nearbyint(v);
   if (!(r == r)) return 0;
   return static_cast<int8_t>(std::min(127.f, std::max(-128.f, r)));
+}
+
+#if defined(__AVX512F__)
+// Vector versions of `activate` for the requantising store (the scalar calls to expf would cost
+// more than the matrix product). exp: Cephes' polynomial, within 2 ulp of expf.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 sigmoid_ps(__m512 z) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+}
+
+inline __m512 activate_ps(Activation act, __m512 x) {
+  switch (act) {
+    case Activation::kFastGelu: return _mm512_mul_ps(x, sigmoid_ps(_mm512_mul_ps(_mm512_set1_ps(1.702f), x)));
+    case Activation::kGelu: {
+      const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 in = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x);
+      return _mm512_mul_ps(x, sigmoid_ps(_mm512_mul_ps(_mm512_set1_ps(1.59576912f), in)));
+    }
+    case Activation::kRelu: return _mm512_max_ps(x, _mm512_setzero_ps());
+    case Activation::kSilu: return _mm512_mul_ps(x, sigmoid_ps(x));
+    default: return x;
+  }
+}
+#endif
+
+// One row of the first product's store: dst[j] = q + 128 with
+// q = int8(rint(act(float(acc[j] + bias[j]) * deq[j]) * s + o)).
+inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq, int cols,
+                       Activation act, float s, float o, uint8_t *dst) {
+  int j = 0;
+#if defined(__AVX512F__)
+  for (; j < cols; j += 16) {
+    const __mmask16 m = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    const __m512i sum = _mm512_add_epi32(_mm512_loadu_si512(acc + j),
+                                         _mm512_maskz_loadu_epi32(m, bias + j));
+    const __m512 hv = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_maskz_loadu_ps(m, deq + j));
+    __m512 v = _mm512_fmadd_ps(activate_ps(act, hv), _mm512_set1_ps(s), _mm512_set1_ps(o));
+    v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);  // NaN -> 0
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.f)), _mm512_set1_ps(127.f));
+    const __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm512_mask_cvtepi32_storeu_epi8(dst + j, m, _mm512_xor_si512(q, _mm512_set1_epi32(0x80)));
+  }
+#endif
+  for (; j < cols; ++j) {
+    const int32_t sum = static_cast<int32_t>(static_cast<uint32_t>(acc[j]) +
+                                             static_cast<uint32_t>(bias[j]));
+    const float hv = static_cast<float>(sum) * deq[j];
+    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ 0x80);
+  }
 }
 
 struct Int8Args {
@@ -206,15 +285,9 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
     const float *d1 = dq1.data() + ex * f;
     gemm(xu.data(), hp, r0, r1, b, [&](int64_t i, int64_t c0, int rows, int cols,
                                        const int32_t (*acc)[kNR]) {
-      for (int r = 0; r < rows; ++r) {
-        uint8_t *dst = qu.data() + (i + r) * fp + c0;
-        for (int j = 0; j < cols; ++j) {
-          const int32_t sum = static_cast<int32_t>(static_cast<uint32_t>(acc[r][j]) +
-                                                   static_cast<uint32_t>(bias[c0 + j]));
-          const float hv = static_cast<float>(sum) * d1[c0 + j];
-          dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ 0x80);
-        }
-      }
+      for (int r = 0; r < rows; ++r)
+        requantise(acc[r], bias.data() + c0, d1 + c0, cols, act, s, o,
+                   qu.data() + (i + r) * fp + c0);
     });
 
     // y = (q @ w2 + b2) * dq2
