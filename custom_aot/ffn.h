@@ -29,27 +29,35 @@ inline float activate(Activation act, float x) {
   }
 }
 
-// Row offsets of each expert from expert_tokens (int64 [E]): counts (each >= 0, sum == m) or,
-// with cumulative, inclusive ends (non-decreasing, last == m). offsets gets E + 1 entries.
+// Row offsets of each group from a counts tensor `name` (int64 [G]): counts (each >= 0, sum == m)
+// or, with cumulative, inclusive ends (non-decreasing, last == m). offsets gets G + 1 entries.
 // Returns non-zero (after one line on stderr) when the counts do not describe m rows.
-inline int expert_offsets(const char *op, const Arg &tokens, bool cumulative, int64_t m,
-                          std::vector<int64_t> &offsets) {
+inline int group_offsets(const char *op, const char *name, const Arg &tokens, bool cumulative,
+                         int64_t m, std::vector<int64_t> &offsets) {
   const int64_t e = tokens.numel();
   const int64_t *t = tokens.as<int64_t>();
   offsets.assign(e + 1, 0);
   for (int64_t i = 0; i < e; ++i) {
-    const int64_t end = cumulative ? t[i] : offsets[i] + t[i];
-    if ((!cumulative && t[i] < 0) || end < offsets[i] || end > m)
-      return fail(op, "expert_tokens[%lld] = %lld does not fit %lld rows (%s)", (long long)i,
+    // compared before adding, so a huge count cannot overflow
+    const bool fits = cumulative ? (t[i] >= offsets[i] && t[i] <= m)
+                                 : (t[i] >= 0 && t[i] <= m - offsets[i]);
+    if (!fits)
+      return fail(op, "%s[%lld] = %lld does not fit %lld rows (%s)", name, (long long)i,
                   (long long)t[i], (long long)m,
                   cumulative ? "cumulative ends must be non-decreasing and <= M"
                              : "counts must be >= 0 and add up to M");
-    offsets[i + 1] = end;
+    offsets[i + 1] = cumulative ? t[i] : offsets[i] + t[i];
   }
   if (offsets[e] != m)
-    return fail(op, "expert_tokens describe %lld rows, but x has M = %lld", (long long)offsets[e],
+    return fail(op, "%s describe %lld rows, but x has M = %lld", name, (long long)offsets[e],
                 (long long)m);
   return 0;
+}
+
+// The same for MoeFFN's expert_tokens.
+inline int expert_offsets(const char *op, const Arg &tokens, bool cumulative, int64_t m,
+                          std::vector<int64_t> &offsets) {
+  return group_offsets(op, "expert_tokens", tokens, cumulative, m, offsets);
 }
 
 // The int8 path of MoeFFN (ffn_int8.cc); same arguments as the MoeFFN entry point.

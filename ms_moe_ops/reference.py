@@ -339,3 +339,57 @@ def swiglu_group_quant_grad(grad_y, x, weight=None, y_origin=None, group_index=N
         grad_weight[trunc:] = 0
         grad_weight = grad_weight.reshape(np.shape(weight))
     return grad_x.reshape(np.shape(x)), grad_weight
+
+
+# -- grouped_matmul and moe_ffn float path (SPEC §4-5) -------------------------------------------
+
+def _group_offsets(group_list, m, cumulative):
+    ends = np.asarray(group_list, np.int64) if cumulative else np.cumsum(group_list)
+    starts = np.concatenate([[0], ends[:-1]])
+    assert ends[-1] == m and (ends >= starts).all(), "counts must describe the M rows"
+    return list(zip(starts, ends))
+
+
+def grouped_matmul(x, weight, group_list, bias=None, transpose_x=False, transpose_weight=False,
+                   cumulative=False):
+    """-> [M, N] (or [G, K, N] with transpose_x) float64, one product per group of rows."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(weight, np.float64)
+    groups = _group_offsets(group_list, x.shape[0], cumulative)
+    if transpose_x:
+        return np.stack([x[s:e].T @ w[s:e] for s, e in groups])
+    if transpose_weight:
+        w = w.transpose(0, 2, 1)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    for g, (s, e) in enumerate(groups):
+        out[s:e] = x[s:e] @ w[g] + (0 if bias is None else np.asarray(bias, np.float64)[g])
+    return out
+
+
+def ffn_activation(name, h):
+    """The moe_ffn activations on float64."""
+    if name == "fastgelu":
+        return h * _sigmoid(1.702 * h)
+    if name == "gelu":
+        return h * _sigmoid(1.59576912 * (h + 0.044715 * h ** 3))
+    if name == "relu":
+        return np.maximum(h, 0)
+    if name == "silu":
+        return h * _sigmoid(h)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=None, offset=None,
+            deq_scale1=None, deq_scale2=None, activation="fastgelu", tokens_index_flag=False,
+            output_dtype=None):
+    """-> y [M, H] float64. int8 x goes to moe_ffn_quant (the quant path's golden model)."""
+    if np.asarray(x).dtype == np.int8:
+        quant = globals().get("moe_ffn_quant")
+        if quant is None:
+            raise NotImplementedError("reference.moe_ffn: the int8 path needs moe_ffn_quant, "
+                                      "which this reference does not define yet")
+        return quant(x, expert_tokens, weight1, weight2, bias1, bias2, scale, offset, deq_scale1,
+                     deq_scale2, activation, tokens_index_flag, output_dtype)
+    h = grouped_matmul(x, weight1, expert_tokens, bias1, cumulative=tokens_index_flag)
+    return grouped_matmul(ffn_activation(activation, h), weight2, expert_tokens, bias2,
+                          cumulative=tokens_index_flag)

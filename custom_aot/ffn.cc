@@ -1,0 +1,170 @@
+// MoeFFN (SPEC §4): y[rows e] = act(x[rows e] @ W1[e] + b1[e]) @ W2[e] + b2[e] for every expert e.
+// The float path lives here (the int8 path in ffn_int8.cc); the activation's backward too.
+// Both products of an expert go through the BLAS; bias1 and the activation are one pass over
+// the hidden block, bias2 is added while the output is written.
+#include <algorithm>
+
+#include "ffn.h"
+#include "gemm.h"
+
+namespace moe {
+namespace {
+
+constexpr const char *kOp = "moe_ffn";
+// Rows of an expert per block: bounds the float32 hidden buffer to kHiddenRows x F.
+constexpr int64_t kHiddenRows = 1024;
+
+template <typename B, typename Fn>
+void bias_act_rows(float *h, int64_t rows, int64_t f, const B *bias, Fn fn) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    float *r = h + i * f;
+    if (bias)
+      for (int64_t j = 0; j < f; ++j) r[j] = fn(r[j] + to_f32(bias[j]));
+    else
+      for (int64_t j = 0; j < f; ++j) r[j] = fn(r[j]);
+  }
+}
+
+// h = act(h + bias) in place (bias may be null); the switch is outside the loop.
+template <typename B>
+void bias_activate(float *h, int64_t rows, int64_t f, const B *bias, Activation act) {
+  switch (act) {
+    case Activation::kFastGelu:
+      return bias_act_rows(h, rows, f, bias, [](float v) { return activate(Activation::kFastGelu, v); });
+    case Activation::kGelu:
+      return bias_act_rows(h, rows, f, bias, [](float v) { return activate(Activation::kGelu, v); });
+    case Activation::kRelu:
+      return bias_act_rows(h, rows, f, bias, [](float v) { return activate(Activation::kRelu, v); });
+    default:
+      return bias_act_rows(h, rows, f, bias, [](float v) { return activate(Activation::kSilu, v); });
+  }
+}
+
+template <typename T>
+int moe_ffn_float(const Args &args, Extra *extra) {
+  const Arg x = args[0], tokens = args[1], w1 = args[2], b1 = args[3], w2 = args[4],
+            b2 = args[5], y = args[10];
+  const Activation act = parse_activation(extra->GetAttrStr("activation"));
+  if (act == Activation::kUnknown) return fail(kOp, "unknown activation");
+  const bool cumulative = extra->GetAttrBool("tokens_index_flag");
+  const int64_t m = x.dim(0), h = x.dim(1), e = w1.dim(0), f = w1.dim(2);
+  // validated when the graph was built; checked again so no input can lead out of bounds
+  if (tokens.numel() != e || w1.dim(1) != h || w2.numel() != e * f * h || y.numel() != m * h ||
+      (b1.present() && b1.numel() != e * f) || (b2.present() && b2.numel() != e * h))
+    return fail(kOp, "inconsistent shapes (M=%lld, H=%lld, E=%lld, F=%lld)", (long long)m,
+                (long long)h, (long long)e, (long long)f);
+  if (!blas_sizes_ok({m, h, f})) return fail(kOp, "a dimension exceeds the BLAS limit");
+  std::vector<int64_t> off;
+  if (int rc = expert_offsets(kOp, tokens, cumulative, m, off)) return rc;
+
+  const T *xs = x.as<T>(), *w1s = w1.as<T>(), *w2s = w2.as<T>();
+  const T *b1s = b1.present() ? b1.as<T>() : nullptr, *b2s = b2.present() ? b2.as<T>() : nullptr;
+  T *ys = y.as<T>();
+  std::vector<float> w1buf, w2buf, xbuf, hidden(std::min(m, kHiddenRows) * f), ybuf;
+  for (int64_t ex = 0; ex < e; ++ex) {
+    const int64_t rows = off[ex + 1] - off[ex];
+    if (rows == 0) continue;  // an expert without tokens: nothing to read, nothing to write
+    const float *w1f = as_f32(w1s + ex * h * f, h * f, w1buf);
+    const float *w2f = as_f32(w2s + ex * f * h, f * h, w2buf);
+    const T *b1e = b1s ? b1s + ex * f : nullptr, *b2e = b2s ? b2s + ex * h : nullptr;
+    for (int64_t r0 = 0; r0 < rows; r0 += kHiddenRows) {
+      const int64_t r = std::min(kHiddenRows, rows - r0), row = off[ex] + r0;
+      const float *xf = as_f32(xs + row * h, r * h, xbuf);
+      sgemm(false, false, r, f, h, xf, h, w1f, f, 0.f, hidden.data(), f);
+      bias_activate(hidden.data(), r, f, b1e, act);
+      T *yr = ys + row * h;
+      if constexpr (std::is_same_v<T, float>) {
+        if (b2e) fill_rows(yr, r, h, b2e);  // bias first, the BLAS adds the product
+        sgemm(false, false, r, h, f, hidden.data(), f, w2f, h, b2e ? 1.f : 0.f, yr, h);
+      } else {
+        ybuf.resize(r * h);
+        sgemm(false, false, r, h, f, hidden.data(), f, w2f, h, 0.f, ybuf.data(), h);
+        store_rows(ybuf.data(), r, h, b2e, yr);
+      }
+    }
+  }
+  return 0;
+}
+
+// grad_h = grad_a * act'(h) and a = act(h), elementwise in one pass.
+template <typename T, typename Fn>
+void act_grad_loop(const T *hs, const T *gas, T *ghs, T *as, int64_t n, Fn fn) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float a, d;
+    fn(to_f32(hs[i]), a, d);
+    ghs[i] = from_f32<T>(to_f32(gas[i]) * d);
+    as[i] = from_f32<T>(a);
+  }
+}
+
+template <typename T>
+int activation_grad(const Args &args, Extra *extra) {
+  const Arg hv = args[0], ga = args[1], gh = args[2], av = args[3];
+  const Activation act = parse_activation(extra->GetAttrStr("activation"));
+  const int64_t n = hv.numel();
+  if (ga.numel() != n || gh.numel() != n || av.numel() != n)
+    return fail("moe_ffn_activation_grad", "inconsistent shapes");
+  const T *hs = hv.as<T>(), *gas = ga.as<T>();
+  T *ghs = gh.as<T>(), *as = av.as<T>();
+  // a = v s(u v) style activations: a' = s + v s (1 - s) u'
+  switch (act) {
+    case Activation::kFastGelu:
+      act_grad_loop(hs, gas, ghs, as, n, [](float v, float &a, float &d) {
+        const float s = sigmoid(1.702f * v);
+        a = v * s;
+        d = s + 1.702f * v * s * (1.f - s);
+      });
+      return 0;
+    case Activation::kGelu:
+      act_grad_loop(hs, gas, ghs, as, n, [](float v, float &a, float &d) {
+        constexpr float c = 1.59576912f, k = 0.044715f;
+        const float s = sigmoid(c * (v + k * v * v * v));
+        a = v * s;
+        d = s + v * s * (1.f - s) * c * (1.f + 3.f * k * v * v);
+      });
+      return 0;
+    case Activation::kRelu:
+      act_grad_loop(hs, gas, ghs, as, n, [](float v, float &a, float &d) {
+        a = v > 0.f ? v : 0.f;
+        d = v > 0.f ? 1.f : 0.f;
+      });
+      return 0;
+    case Activation::kSilu:
+      act_grad_loop(hs, gas, ghs, as, n, [](float v, float &a, float &d) {
+        const float s = sigmoid(v);
+        a = v * s;
+        d = s + v * s * (1.f - s);
+      });
+      return 0;
+    default:
+      return fail("moe_ffn_activation_grad", "unknown activation");
+  }
+}
+
+}  // namespace
+}  // namespace moe
+
+using namespace moe;
+
+// inputs (aclnnMoeFFN order): x [M, H], expert_tokens int64 [E], weight1 [E, H, F], bias1 [E, F],
+// weight2 [E, F, H], bias2 [E, H], scale, offset, deq_scale1, deq_scale2; output y [M, H].
+MOE_EXPORT int MoeFFN(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                      void *stream, void *extra_ptr) {
+  const Args args{nparam, params, ndims, shapes, dtypes};
+  auto *extra = static_cast<Extra *>(extra_ptr);
+  if (args[0].dtype == DType::kI8) return moe_ffn_int8(args, extra);
+  return dispatch_float(kOp, args[0].dtype, [&](auto tag) {
+    return moe_ffn_float<decltype(tag)>(args, extra);
+  });
+}
+
+// inputs: h (pre-activation), grad_a (gradient of act(h)); outputs: grad_h, act(h).
+MOE_EXPORT int MoeFFNActivationGrad(int nparam, void **params, int *ndims, int64_t **shapes,
+                                    const char **dtypes, void *stream, void *extra) {
+  const Args args{nparam, params, ndims, shapes, dtypes};
+  return dispatch_float("moe_ffn_activation_grad", args[0].dtype, [&](auto tag) {
+    return activation_grad<decltype(tag)>(args, static_cast<Extra *>(extra));
+  });
+}

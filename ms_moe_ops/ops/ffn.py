@@ -1,0 +1,208 @@
+"""moe_ffn (SPEC §4, seed aclnnMoeFFN): every expert's feed-forward network over its rows,
+y[rows e] = act(x[rows e] @ weight1[e] + bias1[e]) @ weight2[e] + bias2[e], in one primitive.
+
+The float path trains: its bprop recomputes the pre-activation with grouped_matmul and builds
+every gradient from grouped_matmul calls and one fused activation-derivative op. Recomputing
+costs one grouped product (about 1/7 of a training step's FFN flops) but keeps no [M, F] tensor
+alive between forward and backward, and keeps the primitive's single output y, which is what
+aclnnMoeFFN produces on Ascend. The int8 path (ffn_int8.cc) is inference only.
+"""
+import mindspore as ms
+from mindspore import ops
+
+from ._checks import FLOATS, attr_error, check_dtype, check_range, check_rank, check_same_dtype, \
+    check_shape
+from ._op import Attr, OpDef
+from .grouped_matmul import group_sum, grouped_matmul
+
+_OP = "moe_ffn"
+MAX_EXPERTS = 256
+ACTIVATIONS = ("fastgelu", "gelu", "relu", "silu")
+OUTPUT_DTYPES = ("float16", "bfloat16", "float32")  # int8 path; float16 is the default
+_QUANT = ("scale", "offset", "deq_scale1", "deq_scale2")
+
+
+def _check_activation(op, a):
+    if a["activation"] not in ACTIVATIONS:
+        raise attr_error(op, "activation", f"one of {ACTIVATIONS}", a["activation"])
+
+
+def _check_attrs(a):
+    _check_activation(_OP, a)
+    if a["output_dtype"] not in ("",) + OUTPUT_DTYPES:
+        raise attr_error(_OP, "output_dtype", f"None or one of {OUTPUT_DTYPES}", a["output_dtype"])
+
+
+def _infer(a, x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
+    check_rank(_OP, "x", x, 2)
+    check_rank(_OP, "expert_tokens", tokens, 1)
+    check_rank(_OP, "weight1", w1, 3)
+    m, h = x
+    e, f = tokens[0], w1[2]
+    check_range(_OP, "the expert count E (expert_tokens.shape[0])", e, 1, MAX_EXPERTS)
+    check_shape(_OP, "weight1", w1, [e, h, f], "[E, H, F] with E experts and H = x.shape[1]")
+    check_shape(_OP, "weight2", w2, [e, f, h], "[E, F, H]")
+    for name, shape, expected in (("bias1", b1, [e, f]), ("bias2", b2, [e, h]), ("scale", scale, [e]),
+                                  ("offset", offset, [e]), ("deq_scale1", dq1, [e, f]),
+                                  ("deq_scale2", dq2, [e, h])):
+        if shape is not None:
+            check_shape(_OP, name, shape, expected)
+    return ([m, h],)
+
+
+def _infer_dtype(a, x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
+    check_dtype(_OP, "expert_tokens", tokens, ("int64",))
+    check_dtype(_OP, "x", x, FLOATS + ("int8",))
+    quant = dict(zip(_QUANT, (scale, offset, dq1, dq2)))
+    if x == "int8":
+        check_dtype(_OP, "weight1", w1, ("int8",))
+        check_dtype(_OP, "weight2", w2, ("int8",))
+        for name, d in (("bias1", b1), ("bias2", b2)):
+            if d is not None:
+                check_dtype(_OP, name, d, ("int32",))
+        missing = [name for name, d in quant.items() if d is None]
+        if missing:
+            raise ValueError(f"{_OP}: the int8 path needs {', '.join(_QUANT)}; missing "
+                             f"{', '.join(missing)}")
+        check_dtype(_OP, "scale", scale, ("float32",))
+        check_dtype(_OP, "offset", offset, ("float32",))
+        check_dtype(_OP, "deq_scale1", dq1, ("uint64", "float32"))
+        check_dtype(_OP, "deq_scale2", dq2, ("uint64", "float32"))
+        return (a["output_dtype"] or "float16",)
+    given = [name for name, d in quant.items() if d is not None]
+    if given:
+        raise ValueError(f"{_OP}: {', '.join(given)} are quantisation arguments of the int8 path; "
+                         f"x is {x}, so they must be None")
+    if a["output_dtype"] not in ("", x):
+        raise ValueError(f"{_OP}: attribute 'output_dtype' is for the int8 path; on the float "
+                         f"path y has x's dtype ({x}), got output_dtype={a['output_dtype']!r}")
+    for name, d in (("weight1", w1), ("weight2", w2), ("bias1", b1), ("bias2", b2)):
+        if d is not None:
+            check_same_dtype(_OP, name, d, "x", x)
+    return (x,)
+
+
+# -- the activation's backward ------------------------------------------------------------------
+
+_ACT = "moe_ffn_activation_grad"
+
+
+def _infer_act(a, h, grad_a):
+    check_shape(_ACT, "grad_a", grad_a, h, "the shape of h")
+    return list(h), list(h)
+
+
+def _infer_act_dtype(a, h, grad_a):
+    check_dtype(_ACT, "h", h, FLOATS)
+    check_same_dtype(_ACT, "grad_a", grad_a, "h", h)
+    return h, h
+
+
+def _act_grad_composed(a):
+    """The same maths from MindSpore ops (Ascend)."""
+    name = a["activation"]
+
+    def f(h, grad_a):
+        v = h.astype(ms.float32)
+        if name == "relu":
+            act, deriv = ops.relu(v), (v > 0).astype(ms.float32)
+        else:
+            if name == "fastgelu":
+                u, du = 1.702 * v, 1.702
+            elif name == "gelu":
+                u, du = 1.59576912 * (v + 0.044715 * v * v * v), 1.59576912 * (1 + 0.134145 * v * v)
+            else:
+                u, du = v, 1.0
+            s = ops.sigmoid(u)
+            act, deriv = v * s, s + v * s * (1 - s) * du
+        return (grad_a.astype(ms.float32) * deriv).astype(h.dtype), act.astype(h.dtype)
+
+    return f
+
+
+FFN_ACTIVATION_GRAD = OpDef(
+    name=_ACT,
+    inputs=("h", "grad_a"),
+    outputs=("grad_h", "a"),
+    attrs=(Attr("activation", str, "fastgelu"),),
+    check_attrs=lambda a: _check_activation(_ACT, a),
+    infer=_infer_act,
+    infer_dtype=_infer_act_dtype,
+    cpu="MoeFFNActivationGrad",
+    ascend=_act_grad_composed,
+)
+
+
+def _bprop(a):
+    act, c = a["activation"], a["tokens_index_flag"]
+
+    def bprop(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2, out, dout):
+        if x.dtype == ms.int8:
+            raise RuntimeError(f"{_OP}: the int8 (quantised) path is inference only; it has no "
+                               f"gradient")
+        h = grouped_matmul(x, w1, tokens, b1, cumulative=c)       # pre-activation, recomputed
+        da = grouped_matmul(dout, w2, tokens, transpose_weight=True, cumulative=c)
+        dh, act_h = FFN_ACTIVATION_GRAD(h, da, activation=act)
+        dx = grouped_matmul(dh, w1, tokens, transpose_weight=True, cumulative=c)
+        dw1 = grouped_matmul(x, dh, tokens, transpose_x=True, cumulative=c)
+        dw2 = grouped_matmul(act_h, dout, tokens, transpose_x=True, cumulative=c)
+        db1 = None if b1 is None else group_sum(dh, tokens, c)
+        db2 = None if b2 is None else group_sum(dout, tokens, c)
+        return dx, ops.zeros_like(tokens), dw1, db1, dw2, db2, None, None, None, None
+
+    return bprop
+
+
+MOE_FFN = OpDef(
+    name=_OP,
+    inputs=("x", "expert_tokens", "weight1", "bias1", "weight2", "bias2", "scale", "offset",
+            "deq_scale1", "deq_scale2"),
+    optional=("bias1", "bias2", "scale", "offset", "deq_scale1", "deq_scale2"),
+    outputs=("y",),
+    attrs=(Attr("activation", str, "fastgelu"), Attr("tokens_index_flag", bool, False),
+           Attr("output_dtype", str, "")),
+    check_attrs=_check_attrs,
+    infer=_infer,
+    infer_dtype=_infer_dtype,
+    cpu="MoeFFN",
+    aclnn="aclnnMoeFFN",
+    aclnn_args=("x", "expert_tokens", "weight1", "bias1", "weight2", "bias2", "scale", "offset",
+                "deq_scale1", "deq_scale2", "activation"),
+    bprop=_bprop,
+)
+
+
+def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=None, offset=None,
+            deq_scale1=None, deq_scale2=None, activation="fastgelu", tokens_index_flag=False,
+            output_dtype=None):
+    """Feed-forward network of every expert over its rows (SPEC §4).
+
+    Args:
+        x: [M, H] float32/float16/bfloat16 (float path) or int8 (quant path), rows grouped by
+            expert (expert 0's rows first).
+        expert_tokens: int64 tensor [E], 1 <= E <= 256: rows per expert (each >= 0, sum == M), or
+            with tokens_index_flag=True inclusive cumulative ends (non-decreasing, last == M).
+            Experts with no rows are skipped. Counts that do not describe M rows raise
+            RuntimeError before anything is written.
+        weight1: [E, H, F]; weight2: [E, F, H]; bias1: [E, F] or None; bias2: [E, H] or None.
+            Float path: all of x's dtype. Quant path: int8 weights, int32 biases.
+        scale, offset: [E] float32; deq_scale1: [E, F], deq_scale2: [E, H] uint64 (float32 bit
+            patterns) or float32. Quant path only (required there, ValueError on the float path).
+        activation: "fastgelu" (x * sigmoid(1.702 x)), "gelu" (tanh form), "relu" or "silu".
+        output_dtype: quant path only: "float16" (default), "bfloat16" or "float32".
+
+    Returns:
+        y [M, H]: x's dtype (float path) or output_dtype (quant path). The float path is
+        differentiable with respect to x, weight1, bias1, weight2 and bias2; asking for the
+        quant path's gradient raises RuntimeError.
+
+    Ascend: aclnnMoeFFN, arguments in its prototype's order. Its expertTokens is a host
+    aclIntArray, while this operator takes a device tensor (so GRAPH mode does not recompile
+    when the counts change): MindSpore's aclnn launcher has to read the tensor back to the host
+    to build the array (a device-to-host copy per call). aclnnMoeFFN only knows fastgelu and
+    counts; aclnnFFNV3 (CANN 8.0) takes expertTokens as an aclTensor and has tokensIndexFlag,
+    the binding to move to where it is available (different argument order).
+    """
+    return MOE_FFN(x, expert_tokens, weight1, bias1, weight2, bias2, scale, offset, deq_scale1,
+                   deq_scale2, activation=activation, tokens_index_flag=tokens_index_flag,
+                   output_dtype="" if output_dtype is None else output_dtype)
