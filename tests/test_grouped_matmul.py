@@ -1,0 +1,152 @@
+"""grouped_matmul (SPEC §5): golden forms, gradients by finite differences, bad input."""
+import mindspore as ms
+import numpy as np
+import pytest
+
+from ms_moe_ops import grouped_matmul, reference
+from conftest import assert_close, finite_diff, grad, numpy, rounded, run, tensor
+
+RNG = np.random.default_rng(7)
+
+
+def _case(m=9, k=5, n=4, counts=(3, 0, 6), dtype="float32"):
+    g = len(counts)
+    x = rounded(RNG.standard_normal((m, k)), dtype)
+    w = rounded(RNG.standard_normal((g, k, n)), dtype)
+    b = rounded(RNG.standard_normal((g, n)), dtype)
+    dy = rounded(RNG.standard_normal((m, n)), dtype)
+    return x, w, b, dy, np.array(counts, np.int64)
+
+
+def test_forms_match_golden(dtype, mode):
+    x, w, b, dy, gl = _case(dtype=dtype)
+    wt = w.transpose(0, 2, 1).copy()
+
+    def forms(x, w, wt, b, dy, gl):
+        return (grouped_matmul(x, w, gl, b), grouped_matmul(x, wt, gl, transpose_weight=True),
+                grouped_matmul(x, dy, gl, transpose_x=True))
+
+    t = lambda a: tensor(a, dtype)
+    y, yt, dw = run(forms, t(x), t(w), t(wt), t(b), t(dy), tensor(gl), mode=mode)
+    for out in (y, yt, dw):
+        assert str(out.dtype).lower() == dtype.lower()
+    assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), dtype)
+    assert_close(numpy(yt), reference.grouped_matmul(x, w, gl), dtype)
+    assert_close(numpy(dw), reference.grouped_matmul(x, dy, gl, transpose_x=True), dtype)
+    assert not numpy(dw)[1].any()  # the empty group's product is exactly zero
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_many_rows_in_blocks(dtype):
+    # more rows than the kernel's float16/bfloat16 conversion block (512)
+    x, w, b, dy, gl = _case(m=1300, k=6, n=5, counts=(1100, 0, 200), dtype=dtype)
+    t = lambda a: tensor(a, dtype)
+    y = grouped_matmul(t(x), t(w), tensor(gl), t(b))
+    dw = grouped_matmul(t(x), t(dy), tensor(gl), transpose_x=True)
+    assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), dtype)
+    assert_close(numpy(dw), reference.grouped_matmul(x, dy, gl, transpose_x=True), dtype,
+                 tol=3e-2 if dtype == "bfloat16" else None)
+
+
+def test_cumulative_group_list():
+    x, w, b, _, gl = _case()
+    y = grouped_matmul(tensor(x, "float32"), tensor(w, "float32"), tensor(np.cumsum(gl)),
+                       tensor(b, "float32"), cumulative=True)
+    assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b))
+
+
+def test_deterministic():
+    x, w, b, dy, gl = _case(m=700, k=64, n=48, counts=(300, 0, 400), dtype="bfloat16")
+    args = tensor(x, "bfloat16"), tensor(dy, "bfloat16"), tensor(gl)
+    first, second = (numpy(grouped_matmul(*args, transpose_x=True)) for _ in range(2))
+    assert np.array_equal(first, second)
+
+
+@pytest.mark.parametrize("form", ["plain", "transpose_weight", "transpose_x"])
+def test_gradients_by_finite_differences(form, mode):
+    x, w, b, dy, gl = _case(m=6, k=3, n=2, counts=(2, 0, 4))
+    r = RNG.standard_normal((3, 3, 2) if form == "transpose_x" else (6, 2))  # loss weights
+    if form == "transpose_weight":
+        w = w.transpose(0, 2, 1).copy()
+    second = dy if form == "transpose_x" else w
+    use_bias = form == "plain"
+    kw = dict(transpose_x=form == "transpose_x", transpose_weight=form == "transpose_weight")
+
+    def loss(x, second, b, gl):
+        out = grouped_matmul(x, second, gl, b if use_bias else None, **kw)
+        return (out * tensor(r, "float32")).sum()
+
+    args = [tensor(a, "float32") for a in (x, second, b)] + [tensor(gl)]
+    got = grad(loss, *args, mode=mode, argnums=(0, 1, 2) if use_bias else (0, 1))
+
+    def ref(*vals):
+        v = dict(x=x, second=second, b=b)
+        v.update(vals)
+        out = reference.grouped_matmul(v["x"], v["second"], gl, v["b"] if use_bias else None, **kw)
+        return (out * r).sum()
+
+    names = ("x", "second", "b") if use_bias else ("x", "second")
+    for name, g in zip(names, got):
+        expected = finite_diff(lambda a: ref((name, a)), dict(x=x, second=second, b=b)[name])
+        assert_close(numpy(g), expected, tol=1e-4)
+    if form == "plain":
+        assert not numpy(got[1])[1].any(), "an empty group must get a zero weight gradient"
+
+
+def test_gradient_low_precision(mode):
+    x, w, _, dy, gl = _case(counts=(4, 5, 0), dtype="bfloat16")
+    weights = tensor(dy, "float32")  # bfloat16-exact; the CPU has no bfloat16 sum
+
+    def loss(x, w, gl):
+        return (grouped_matmul(x, w, gl).astype(ms.float32) * weights).sum()
+
+    got = grad(loss, tensor(x, "bfloat16"), tensor(w, "bfloat16"), tensor(gl), mode=mode, argnums=(0, 1))
+    assert_close(numpy(got[0]), reference.grouped_matmul(dy, w, gl, transpose_weight=True), "bfloat16")
+    expected_dw = reference.grouped_matmul(x, dy, gl, transpose_x=True)
+    assert_close(numpy(got[1]), expected_dw, "bfloat16", tol=3e-2)
+    assert not numpy(got[1])[2].any()
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def _inputs(**over):
+    v = dict(x=np.zeros((6, 3), np.float32), w=np.zeros((2, 3, 4), np.float32),
+             gl=np.array([2, 4], np.int64), b=None)
+    v.update(over)
+    return v
+
+
+@pytest.mark.parametrize("over, attrs, error, match", [
+    (dict(x=np.zeros((6, 3, 1), np.float32)), {}, ValueError, "'x' must be 2-D"),
+    (dict(w=np.zeros((2, 4, 4), np.float32)), {}, ValueError, "'weight' must have shape"),
+    (dict(w=np.zeros((3, 3, 4), np.float32)), {}, ValueError, "'weight' must have shape"),
+    (dict(w=np.zeros((3, 4), np.float32)), {}, ValueError, "'weight' must be 3-D"),
+    (dict(gl=np.array([[2, 4]], np.int64)), {}, ValueError, "'group_list' must be 1-D"),
+    (dict(b=np.zeros((2, 3), np.float32)), {}, ValueError, "'bias' must have shape"),
+    (dict(w=np.zeros((5, 4), np.float32)), dict(transpose_x=True), ValueError, "M=6 rows"),
+    (dict(w=np.zeros((6, 4), np.float32), b=np.zeros((2, 4), np.float32)), dict(transpose_x=True),
+     ValueError, "'bias' is not supported"),
+    ({}, dict(transpose_x=True, transpose_weight=True), ValueError, "cannot both be True"),
+    (dict(x=np.zeros((6, 3), np.int32)), {}, TypeError, "'x' must have dtype"),
+    (dict(w=np.zeros((2, 3, 4), np.float16)), {}, TypeError, "'weight' must have the dtype"),
+    (dict(gl=np.array([2, 4], np.int32)), {}, TypeError, "'group_list' must have dtype int64"),
+    (dict(b=np.zeros((2, 4), np.float16)), {}, TypeError, "'bias' must have the dtype"),
+    ({}, dict(transpose_x=1), TypeError, "must be bool"),
+    (dict(gl=np.array([2, 3], np.int64)), {}, RuntimeError, None),
+    (dict(gl=np.array([7, -1], np.int64)), {}, RuntimeError, None),
+    (dict(gl=np.array([4, 2], np.int64)), dict(cumulative=True), RuntimeError, None),
+])
+def test_bad_input(over, attrs, error, match):
+    v = _inputs(**over)
+    if attrs.get("transpose_x") is True and "w" not in over:
+        v["w"] = np.zeros((6, 4), np.float32)
+    b = None if v["b"] is None else tensor(v["b"])
+    with pytest.raises(error, match=match):
+        out = grouped_matmul(tensor(v["x"]), tensor(v["w"]), tensor(v["gl"]), b, **attrs)
+        out.asnumpy()
+
+
+def test_bad_input_graph_mode():
+    with pytest.raises(ValueError, match="'weight' must have shape"):
+        run(grouped_matmul, tensor(np.zeros((6, 3), np.float32)),
+            tensor(np.zeros((2, 4, 4), np.float32)), tensor(np.array([2, 4], np.int64)), mode="graph")
