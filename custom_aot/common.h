@@ -151,11 +151,31 @@ inline int dispatch_float(const char *op, DType t, F &&f) {
   }
 }
 
-inline float sigmoid(float x) {
-  // exp of a non-positive number never overflows.
-  if (x >= 0.f) return 1.f / (1.f + std::exp(-x));
-  const float e = std::exp(x);
-  return e / (1.f + e);
+// exp(x) for float32 within ~2 ulp, branch-free so that loops calling it vectorise (libm's expf
+// does not without -ffast-math, which would break the NaN/inf handling elsewhere). The argument
+// is clamped to [-87.3, 88.3]: results stay finite and normal.
+inline float exp_approx(float x) {
+  x = x < -87.3f ? -87.3f : x;  // (NaN passes through both and gives NaN)
+  x = x > 88.3f ? 88.3f : x;
+  const float t = x * 1.44269504f + 12582912.f;  // round(x / ln 2) lands in t's low bits
+  const float n = t - 12582912.f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;   // x - n ln 2, two-part ln 2
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  uint32_t tbits;
+  std::memcpy(&tbits, &t, 4);
+  const uint32_t bits = (tbits - 0x4B400000u + 127u) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
 }
+
+// Numerically safe for any x (x = +-100 gives 0 and 1, never inf or NaN), and vectorisable.
+inline float sigmoid(float x) { return 1.f / (1.f + exp_approx(-x)); }
 
 }  // namespace moe

@@ -18,31 +18,40 @@ inline int32_t order_key(float v) {
   return b ^ ((b >> 31) & 0x7fffffff);
 }
 
-// "a ranks before b": larger key first, lower index on ties.
-inline bool ranks_before(int32_t ka, int32_t ia, int32_t kb, int32_t ib) {
-  return ka > kb || (ka == kb && ia < ib);
+// The float an order key encodes (inverse of order_key).
+inline float key_value(int32_t k) {
+  const int32_t b = k ^ ((k >> 31) & 0x7fffffff);
+  float v;
+  std::memcpy(&v, &b, 4);
+  return v;
 }
 
-// Writes the indices of the k best of keys[0..n) (descending, ties: lower index) to out.
-// scratch must hold n ints. Small k uses insertion into a sorted run, large k a partial sort.
-void top_k(const int32_t *keys, int n, int k, int32_t *out, int32_t *scratch) {
+// Writes the indices of the k best candidates (descending key, ties: lower index) to out.
+// cand lists candidate indices in increasing order (nullptr: 0..n-1); scratch holds n ints.
+// Small k keeps a sorted run in registers-friendly arrays; large k uses a partial sort.
+void top_k(const int32_t *keys, const int32_t *cand, int n, int k, int32_t *out, int32_t *scratch) {
   if (k <= 32) {
+    int32_t best[32];
     int len = 0;
-    for (int i = 0; i < n; ++i) {
+    for (int c = 0; c < n; ++c) {
+      const int32_t i = cand ? cand[c] : c;
       const int32_t key = keys[i];
-      if (len == k && !ranks_before(key, i, keys[out[k - 1]], out[k - 1])) continue;
+      // candidates come in increasing index order, so a tie never displaces an earlier one
+      if (len == k && key <= best[k - 1]) continue;
       int pos = len < k ? len++ : k - 1;
-      while (pos > 0 && ranks_before(key, i, keys[out[pos - 1]], out[pos - 1])) {
+      for (; pos > 0 && key > best[pos - 1]; --pos) {
+        best[pos] = best[pos - 1];
         out[pos] = out[pos - 1];
-        --pos;
       }
+      best[pos] = key;
       out[pos] = i;
     }
     return;
   }
-  for (int i = 0; i < n; ++i) scratch[i] = i;
-  std::partial_sort(scratch, scratch + k, scratch + n,
-                    [keys](int32_t a, int32_t b) { return ranks_before(keys[a], a, keys[b], b); });
+  for (int c = 0; c < n; ++c) scratch[c] = cand ? cand[c] : c;
+  std::partial_sort(scratch, scratch + k, scratch + n, [keys](int32_t a, int32_t b) {
+    return keys[a] > keys[b] || (keys[a] == keys[b] && a < b);
+  });
   std::copy(scratch, scratch + k, out);
 }
 
@@ -54,8 +63,7 @@ struct RouterAttrs {
 template <typename T>
 void route_row(const T *x, const T *bias, const RouterAttrs &a, int n, T *y, int32_t *idx,
                float *xn) {
-  int32_t keys[kMaxExperts], scratch[kMaxExperts];
-  float choice[kMaxExperts];
+  int32_t keys[kMaxExperts], scratch[2 * kMaxExperts];
   // 1. scores
   if (a.norm_type == 1) {
     for (int j = 0; j < n; ++j) xn[j] = sigmoid(to_f32(x[j]));
@@ -63,41 +71,40 @@ void route_row(const T *x, const T *bias, const RouterAttrs &a, int n, T *y, int
     float mx = -INFINITY;
     for (int j = 0; j < n; ++j) mx = std::max(mx, to_f32(x[j]));
     float sum = 0.f;
-    for (int j = 0; j < n; ++j) sum += (xn[j] = std::exp(to_f32(x[j]) - mx));
+    for (int j = 0; j < n; ++j) sum += (xn[j] = exp_approx(to_f32(x[j]) - mx));
     const float inv = 1.f / sum;
     for (int j = 0; j < n; ++j) xn[j] *= inv;
   }
   // 2. selection scores (bias only chooses)
-  for (int j = 0; j < n; ++j) choice[j] = bias ? xn[j] + to_f32(bias[j]) : xn[j];
-  // 3. group-limited routing: experts of groups that are not kept can never win
+  for (int j = 0; j < n; ++j) keys[j] = order_key(bias ? xn[j] + to_f32(bias[j]) : xn[j]);
+  // 3. group-limited routing: only experts of the k_group best groups are candidates (the
+  //    others count as -inf: they can never win, whatever the sign of the biased scores)
+  int ncand = n;
+  const int32_t *cand = nullptr;
   if (a.group_count > 1) {
     const int per = n / a.group_count;
-    int32_t gkeys[kMaxExperts], gbest[kMaxExperts];
+    int32_t gkeys[kMaxExperts], gbest[kMaxExperts], kept[kMaxExperts];
     for (int g = 0; g < a.group_count; ++g) {
-      const float *c = choice + g * per;
-      float score;
-      if (a.group_select_mode == 0) {
-        score = c[0];
-        for (int j = 1; j < per; ++j) score = std::max(score, c[j]);
-      } else {
-        float m1 = -INFINITY, m2 = -INFINITY;
-        for (int j = 0; j < per; ++j) {
-          if (c[j] > m1) { m2 = m1; m1 = c[j]; }
-          else if (c[j] > m2) m2 = c[j];
-        }
-        score = m1 + m2;
+      const int32_t *kg = keys + g * per;
+      // order keys compare like the floats they encode, so the group score is computed on keys
+      int32_t m1 = INT32_MIN, m2 = INT32_MIN;
+      for (int j = 0; j < per; ++j) {
+        const int32_t v = kg[j];
+        m2 = std::max(m2, std::min(m1, v));
+        m1 = std::max(m1, v);
       }
-      gkeys[g] = order_key(score);
+      gkeys[g] = a.group_select_mode == 0 ? m1 : order_key(key_value(m1) + key_value(m2));
     }
-    top_k(gkeys, a.group_count, a.k_group, gbest, scratch);
-    bool keep[kMaxExperts] = {};
-    for (int i = 0; i < a.k_group; ++i) keep[gbest[i]] = true;
-    for (int g = 0; g < a.group_count; ++g)
-      if (!keep[g]) std::fill(choice + g * per, choice + (g + 1) * per, -INFINITY);
+    top_k(gkeys, nullptr, a.group_count, a.k_group, gbest, scratch);
+    std::sort(gbest, gbest + a.k_group);
+    ncand = 0;
+    for (int i = 0; i < a.k_group; ++i)
+      for (int j = gbest[i] * per; j < (gbest[i] + 1) * per; ++j) kept[ncand++] = j;
+    std::copy(kept, kept + ncand, scratch + n);  // scratch is 2n long
+    cand = scratch + n;
   }
-  for (int j = 0; j < n; ++j) keys[j] = order_key(choice[j]);
   // 4. top-k experts
-  top_k(keys, n, a.k, idx, scratch);
+  top_k(keys, cand, ncand, a.k, idx, scratch);
   // 5-7. weights from the un-biased scores, renormalised, scaled
   float w[kMaxExperts], sum = 0.f;
   for (int p = 0; p < a.k; ++p) sum += (w[p] = xn[idx[p]]);
