@@ -7,3 +7,7 @@ from .moe_layer import (MoELayer, SharedExperts, convert_deepseek_v3_moe, expert
 
 __all__ = ["GatingTopK", "MoeFFN", "MoELayer", "SharedExperts", "moe_layers", "expert_load",
            "load_imbalance", "update_expert_bias", "reset_expert_load", "convert_deepseek_v3_moe"]
+
+from .quant import QuantMoeFFN, quantize_moe_ffn
+
+__all__ += ["QuantMoeFFN", "quantize_moe_ffn"]
