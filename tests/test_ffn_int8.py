@@ -1,0 +1,288 @@
+"""moe_ffn int8 path (SPEC §4 quant path) against the exact-integer golden model, and the
+post-training quantisation of a MoeFFN Cell (quantize_moe_ffn / QuantMoeFFN)."""
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from ms_moe_ops import moe_ffn, reference
+from ms_moe_ops.nn import MoeFFN, QuantMoeFFN, quantize_moe_ffn
+from conftest import grad, numpy, run, tensor
+
+RNG = np.random.default_rng(7)
+ACTIVATIONS = ["fastgelu", "gelu", "relu", "silu"]
+NAMES = ("x", "tokens", "w1", "w2", "b1", "b2", "scale", "offset", "dq1", "dq2")
+
+
+def _case(counts=(5, 0, 9, 4), h=13, f=70, bias=True, deq="uint64"):
+    """Random int8 data with scales that put the requantised activation over most of int8
+    (saturating a little); shapes not multiples of the kernel's tiles."""
+    e, m = len(counts), int(sum(counts))
+    i8 = lambda *s: RNG.integers(-128, 128, s).astype(np.int8)
+    v = dict(x=i8(m, h), tokens=np.array(counts, np.int64), w1=i8(e, h, f), w2=i8(e, f, h),
+             b1=RNG.integers(-20000, 20000, (e, f)).astype(np.int32) if bias else None,
+             b2=RNG.integers(-20000, 20000, (e, h)).astype(np.int32) if bias else None,
+             scale=RNG.uniform(100, 200, e).astype(np.float32),
+             offset=np.float32([-150] + list(RNG.uniform(-40, 40, e - 1))),
+             dq1=(RNG.uniform(0.5, 2, (e, f)) / (128 * 128 * np.sqrt(h))).astype(np.float32),
+             dq2=(RNG.uniform(0.5, 2, (e, h)) / (128 * 128 * np.sqrt(f))).astype(np.float32))
+    if deq == "uint64":
+        v["dq1"], v["dq2"] = reference.float_to_deq_scale(v["dq1"]), reference.float_to_deq_scale(v["dq2"])
+    return v
+
+
+def _golden(v, **kw):
+    return reference.moe_ffn_quant(*(v[n] for n in NAMES[:2]), v["w1"], v["w2"], v["b1"], v["b2"],
+                                   v["scale"], v["offset"], v["dq1"], v["dq2"], **kw)
+
+
+def _call(v, mode="pynative", **kw):
+    def fn(x, tokens, w1, w2, b1, b2, scale, offset, dq1, dq2):
+        return moe_ffn(x, tokens, w1, w2, b1, b2, scale, offset, dq1, dq2, **kw)
+
+    return run(fn, *(None if v[n] is None else Tensor(v[n]) for n in NAMES), mode=mode)
+
+
+def _as_f32(y):
+    return numpy(y).astype(np.float32)
+
+
+def _assert_matches(y, expected, v, activation):
+    """Bit for bit; with an exp-based activation the kernel's float32 exp may differ from the
+    golden model's float64 one in the last bit and flip a rounding (about one value in 30000):
+    allow a rare one-step difference in a requantised value (|w2| * deq_scale2 per output)."""
+    y, expected = _as_f32(y), np.asarray(expected, np.float32)
+    assert y.shape == expected.shape
+    if activation == "relu":
+        np.testing.assert_array_equal(y, expected)
+        return
+    rows = (y != expected).any(axis=1)  # one flipped value changes its whole output row
+    assert rows.sum() <= max(1, 0.02 * len(rows)), f"{rows.sum()} of {len(rows)} rows differ"
+    step = 128 * reference._deq_scale_values(v["dq2"]).max() * 2
+    assert np.abs(y - expected).max(initial=0) <= step
+
+
+# -- golden model ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_matches_golden(activation, mode):
+    v = _case()
+    _assert_matches(_call(v, mode, activation=activation, output_dtype="float32"),
+                    _golden(v, activation=activation, output_dtype="float32"), v, activation)
+
+
+def test_golden_model_saturates():
+    # the case above must really exercise both ends of int8 in the requantisation
+    v = _case()
+    dq1 = reference._deq_scale_values(v["dq1"])
+    q = []
+    for e, (lo, hi) in enumerate([(0, 5), (5, 5), (5, 14), (14, 18)]):
+        if lo == hi:
+            continue
+        acc = v["x"][lo:hi].astype(np.int64) @ v["w1"][e] + v["b1"][e]
+        a = reference._quant_activation("relu", acc.astype(np.float32) * dq1[e])
+        q.append(a * v["scale"][e] + v["offset"][e])
+    q = np.concatenate([a.ravel() for a in q])
+    assert (q > 127.5).any() and (q < -128.5).any() and ((q > -100) & (q < 100)).mean() > 0.3
+
+
+@pytest.mark.parametrize("output_dtype", ["float16", "bfloat16", "float32", None])
+def test_output_dtypes(output_dtype):
+    v = _case(counts=(7, 3))
+    y = _call(v, output_dtype=output_dtype)
+    name = output_dtype or "float16"
+    assert y.dtype == {"float16": ms.float16, "bfloat16": ms.bfloat16, "float32": ms.float32}[name]
+    _assert_matches(y, _golden(v, output_dtype=output_dtype), v, "fastgelu")
+
+
+def test_bfloat16_output_graph():
+    v = _case(counts=(4, 6))
+    y = _call(v, "graph", activation="relu", output_dtype="bfloat16")
+    _assert_matches(y, _golden(v, activation="relu", output_dtype="bfloat16"), v, "relu")
+
+
+def test_float32_and_uint64_deq_scales_agree():
+    v = _case(deq="float32")
+    u = dict(v, dq1=reference.float_to_deq_scale(v["dq1"]), dq2=reference.float_to_deq_scale(v["dq2"]))
+    assert u["dq1"].dtype == np.uint64
+    y32 = _as_f32(_call(v, activation="relu", output_dtype="float32"))
+    y64 = _as_f32(_call(u, activation="relu", output_dtype="float32"))
+    np.testing.assert_array_equal(y32, y64)
+    np.testing.assert_array_equal(y32, _golden(v, activation="relu", output_dtype="float32"))
+
+
+def test_uint64_deq_scale_uses_low_32_bits_only():
+    v = _case(counts=(6,))
+    u = dict(v, dq2=v["dq2"] | np.uint64(0xABCD) << np.uint64(40))
+    np.testing.assert_array_equal(_as_f32(_call(u, output_dtype="float32")),
+                                  _as_f32(_call(v, output_dtype="float32")))
+
+
+def _identity_case(x, b1, scale, offset, dq1=1.0, dq2=1.0):
+    """One expert, H = F, identity weights: y = (q + 0) * dq2 with
+    q = int8(rint(relu((x + b1) * dq1) * scale + offset))."""
+    x = np.asarray(x, np.int8).reshape(1, -1)
+    n = x.shape[1]
+    eye = np.eye(n, dtype=np.int8)[None]
+    return dict(x=x, tokens=np.array([1], np.int64), w1=eye, w2=eye,
+                b1=np.asarray(b1, np.int32).reshape(1, n), b2=None,
+                scale=np.float32([scale]), offset=np.float32([offset]),
+                dq1=np.full((1, n), dq1, np.float32), dq2=np.full((1, n), dq2, np.float32))
+
+
+def test_round_half_to_even_and_saturation():
+    # h = x + b1; q = rint(h / 2 - 1) saturated: halves go to the even neighbour
+    v = _identity_case(x=[3, 5, 7, 9, 1, 127, 127, 0], b1=[0, 0, 0, 0, 0, 200, 2000, 0],
+                       scale=0.5, offset=-1.0)
+    y = _as_f32(_call(v, activation="relu", output_dtype="float32"))
+    # x = 3, 5, 7, 9, 1 give 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, 3.5 -> 4, -0.5 -> 0; 162.5 and 1062.5
+    # saturate to 127; x = 0 gives -1
+    np.testing.assert_array_equal(y[0], [0, 2, 2, 4, 0, 127, 127, -1])
+    # negative saturation through the offset
+    v = _identity_case(x=[0, 10, 100], b1=[0, 0, 0], scale=1.0, offset=-300.0)
+    y = _as_f32(_call(v, activation="relu", output_dtype="float32"))
+    np.testing.assert_array_equal(y[0], [-128, -128, -128])
+    np.testing.assert_array_equal(y, _golden(v, activation="relu", output_dtype="float32"))
+
+
+def test_deq_scale_truncated_to_19_bits():
+    # 1 + 2^-12 has only bits below the top 19: the device uses 1.0. With q = h exactly,
+    # y must be the integer sum itself, not sum * (1 + 2^-12).
+    fine = np.float32(1 + 2 ** -12)
+    assert fine != 1
+    x = [100, -77, 55, 12]
+    v = _identity_case(x=x, b1=[0] * 4, scale=1.0, offset=0.0, dq1=fine, dq2=fine)
+    v["w2"] = np.full((1, 4, 4), 127, np.int8)
+    q = np.maximum(np.array(x), 0)  # relu(x * 1.0)
+    y = _as_f32(_call(v, activation="relu", output_dtype="float32"))
+    np.testing.assert_array_equal(y[0], np.full(4, 127 * q.sum(), np.float32))
+    assert (y[0] != np.float32(127 * q.sum()) * fine).all()
+    np.testing.assert_array_equal(y, _golden(v, activation="relu", output_dtype="float32"))
+    # the same through uint64 (an offset of 0x1FFF below the top 19 bits is dropped too)
+    bits = np.float32([1.0]).view(np.uint32).astype(np.uint64) | np.uint64(0x1FFF)
+    v.update(dq1=np.full((1, 4), bits, np.uint64), dq2=np.full((1, 4), bits, np.uint64))
+    np.testing.assert_array_equal(_as_f32(_call(v, activation="relu", output_dtype="float32")), y)
+
+
+def test_int32_sums_wrap():
+    # bias near the int32 limit: the accumulator wraps like the device's
+    v = _identity_case(x=[100, 1], b1=[2 ** 31 - 50, 2 ** 31 - 1], scale=1.0, offset=0.0,
+                       dq1=2.0 ** -24)
+    y = _as_f32(_call(v, activation="relu", output_dtype="float32"))
+    np.testing.assert_array_equal(y, _golden(v, activation="relu", output_dtype="float32"))
+    assert y[0, 0] == 0 and y[0, 1] == 0  # wrapped negative -> relu 0 -> q = 0
+
+
+# -- expert layouts -------------------------------------------------------------------------------
+
+def test_zero_token_experts_and_biases_absent():
+    v = _case(counts=(0, 6, 0, 0, 11, 0), bias=False)
+    _assert_matches(_call(v, activation="relu", output_dtype="float32"),
+                    _golden(v, activation="relu", output_dtype="float32"), v, "relu")
+
+
+def test_no_rows():
+    v = _case(counts=(0, 0))
+    assert _call(v).shape == (0, 13)
+
+
+def test_tokens_index_flag(mode):
+    v = _case(counts=(3, 0, 8, 2))
+    ends = dict(v, tokens=np.cumsum(v["tokens"]))
+    y = _call(ends, mode, tokens_index_flag=True, activation="relu", output_dtype="float32")
+    _assert_matches(y, _golden(v, activation="relu", output_dtype="float32"), v, "relu")
+
+
+def test_many_rows_and_tile_tails():
+    # more rows than one parallel task, columns beyond one register tile
+    v = _case(counts=(130, 1, 67), h=67, f=131)
+    _assert_matches(_call(v, output_dtype="float32"), _golden(v, output_dtype="float32"), v,
+                    "fastgelu")
+
+
+def test_deterministic():
+    v = _case(counts=(100, 50), h=40, f=90)
+    a = _as_f32(_call(v))
+    np.testing.assert_array_equal(a, _as_f32(_call(v)))
+
+
+@pytest.mark.parametrize("tokens, flag", [([5, 0, 9, 5], False), ([5, 0, 9, 3], False),
+                                          ([5, 0, -1, 14], False), ([5, 4, 14, 18], True),
+                                          ([5, 5, 14, 19], True)])
+def test_bad_expert_tokens(tokens, flag):
+    v = dict(_case(), tokens=np.array(tokens, np.int64))
+    with pytest.raises(RuntimeError):
+        _call(v, tokens_index_flag=flag).asnumpy()
+
+
+def test_gradient_request_raises(mode):
+    cell = _quantised(MoeFFN(2, 8, 16), np.array([4, 4], np.int64))[0]
+    x = tensor(RNG.standard_normal((8, 8)).astype(np.float32))
+    tokens = tensor(np.array([4, 4], np.int64))
+
+    def loss(x, tokens):
+        return cell(x, tokens).astype(ms.float32).sum()
+
+    with pytest.raises(RuntimeError, match="no gradient"):
+        grad(loss, x, tokens, mode=mode)
+
+
+# -- quantisation of a trained Cell ---------------------------------------------------------------
+
+def _quantised(cell, tokens, bias=None, output_dtype="float32"):
+    """(QuantMoeFFN, calibration x) for cell; bias: set random biases of that size."""
+    e, h, f = cell.weight1.shape
+    if bias:
+        cell.bias1.set_data(Tensor((RNG.standard_normal((e, f)) * bias).astype(np.float32)))
+        cell.bias2.set_data(Tensor((RNG.standard_normal((e, h)) * bias).astype(np.float32)))
+    calib = RNG.standard_normal((int(tokens.sum()), h)).astype(np.float32)
+    return quantize_moe_ffn(cell, calib, tokens, output_dtype=output_dtype), calib
+
+
+@pytest.mark.parametrize("activation, bias", [("fastgelu", None), ("gelu", 0.1), ("relu", 0.1),
+                                              ("silu", None)])
+def test_quantised_cell_is_close_to_float(activation, bias):
+    # Dense-initialised experts on unit-normal tokens: W8A8 with a per-tensor x scale keeps the
+    # relative error (Frobenius) near 1.3%; 3% is the bound.
+    tokens = np.array([90, 0, 70, 96], np.int64)
+    cell = MoeFFN(4, 64, 128, activation=activation, has_bias=bias is not None)
+    q, _ = _quantised(cell, tokens, bias)
+    x = tensor(RNG.standard_normal((256, 64)).astype(np.float32))
+    t = tensor(tokens)
+    y_float, y_int8 = numpy(cell(x, t)), numpy(q(x, t))
+    err = np.linalg.norm(y_int8 - y_float) / np.linalg.norm(y_float)
+    assert err < 0.03, f"relative error {err:.3%}"
+
+
+def test_quantised_cell_runs_the_int8_golden_model(mode):
+    tokens = np.array([20, 0, 12], np.int64)
+    q, calib = _quantised(MoeFFN(3, 24, 40, has_bias=True), tokens, bias=0.1,
+                          output_dtype="bfloat16")
+    assert isinstance(q, QuantMoeFFN) and q.weight1.dtype == ms.int8 and q.deq_scale1.dtype == ms.uint64
+    y = run(q, tensor(calib), tensor(tokens), mode=mode)
+    x_q = np.clip(np.rint(calib / np.float32(q.x_step)), -128, 127).astype(np.int8)
+    p = {n: getattr(q, n).asnumpy() for n in ("weight1", "weight2", "bias1", "bias2", "scale",
+                                             "offset", "deq_scale1", "deq_scale2")}
+    expected = reference.moe_ffn_quant(x_q, tokens, p["weight1"], p["weight2"], p["bias1"],
+                                       p["bias2"], p["scale"], p["offset"], p["deq_scale1"],
+                                       p["deq_scale2"], output_dtype="bfloat16")
+    v = dict(dq2=p["deq_scale2"])
+    _assert_matches(y, expected, v, "fastgelu")
+
+
+def test_quantised_scales_sit_on_the_19_bit_grid():
+    q, _ = _quantised(MoeFFN(2, 16, 32), np.array([10, 6], np.int64))
+    for name in ("deq_scale1", "deq_scale2"):
+        bits = getattr(q, name).asnumpy()
+        assert (bits & np.uint64(0x1FFF) == 0).all() and (bits >> np.uint64(32) == 0).all()
+
+
+def test_quantize_rejects_bad_input():
+    cell = MoeFFN(2, 8, 16)
+    with pytest.raises(ValueError, match="do not add up"):
+        quantize_moe_ffn(cell, np.zeros((5, 8), np.float32), np.array([2, 2]))
+    with pytest.raises(ValueError, match="calibration_x must be"):
+        quantize_moe_ffn(cell, np.zeros((4, 9), np.float32), np.array([2, 2]))
+    with pytest.raises(ValueError, match="activation"):
+        quantize_moe_ffn(MoeFFN(2, 8, 16, activation="swiglu"), np.zeros((4, 8), np.float32),
+                         np.array([2, 2]))
