@@ -36,9 +36,9 @@ class SharedExperts(nn.Cell):
 
     def construct(self, x):
         rows = ops.fill(ms.int64, (1,), x.shape[0])
-        h = moe_ops.grouped_matmul(x, self.weight1.astype(x.dtype).expand_dims(0), rows)
+        h = moe_ops.grouped_matmul(x, self.weight1.expand_dims(0).astype(x.dtype), rows)
         a = moe_ops.swiglu_group(h)
-        return moe_ops.grouped_matmul(a, self.weight2.astype(x.dtype).expand_dims(0), rows)
+        return moe_ops.grouped_matmul(a, self.weight2.expand_dims(0).astype(x.dtype), rows)
 
 
 class MoELayer(nn.Cell):
@@ -93,22 +93,25 @@ class MoELayer(nn.Cell):
 
     def construct(self, hidden):
         shape = hidden.shape
-        x = hidden.reshape(-1, self.hidden_size)
+        dtype = hidden.dtype
+        # x is used once, in float32: the gradients of its three consumers then add up in float32
+        # (MindSpore's CPU backend has no bfloat16 AddN)
+        x = hidden.reshape(-1, self.hidden_size).astype(ms.float32)
         weights, expert_idx = self.router(x)
-        permuted, position, counts = moe_ops.moe_token_permute(x, expert_idx, self.num_experts)
+        permuted, position, counts = moe_ops.moe_token_permute(x.astype(dtype), expert_idx,
+                                                               self.num_experts)
         if self.swiglu:
             # the routing weight of each permuted row: row position[j] holds (token, slot) j
             n = position.shape[0]
             order = ops.scatter_nd(position.reshape(-1, 1), ops.arange(n, dtype=ms.int32), (n,))
             row_weight = ops.gather(weights.reshape(-1), order, 0)
             y = self.experts(permuted, counts, row_weight)
-            # probs of ones: the weights are already in, the sum still needs the top_k layout
-            out = moe_ops.moe_token_unpermute(y, position, ops.ones_like(weights))
+            out = moe_ops.moe_token_unpermute(y, position, top_k=self.top_k)
         else:
             y = self.experts(permuted, counts)
             out = moe_ops.moe_token_unpermute(y, position, weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x.astype(dtype))
         return out.reshape(shape)
 
 

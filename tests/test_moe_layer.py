@@ -1,0 +1,289 @@
+"""MoELayer against the numpy reference: forward, gradients (finite differences), modes, dtypes,
+routing corner cases, load balancing, training and checkpoint conversion."""
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn
+
+import ms_moe_ops
+from ms_moe_ops import MoELayer, load_imbalance, reference as ref, update_expert_bias
+from conftest import assert_close, finite_diff, numpy, rounded, run, tensor
+
+
+def make_layer(h=8, f=6, e=4, k=2, seed=0, shared=0, **kw):
+    """A MoELayer with random weights large enough that routing choices are far from ties."""
+    layer = MoELayer(h, f, e, k, n_shared_experts=shared, **kw)
+    rng = np.random.default_rng(seed)
+    for p in layer.trainable_params():
+        scale = 0.6 if "router" in p.name else 0.4
+        p.set_data(Tensor(rng.normal(0, scale, p.shape).astype(np.float32)))
+    return layer
+
+
+def params(layer):
+    """The reference's keyword arguments from the layer's parameters (float64)."""
+    p = {name.split(".", 1)[-1] if name.startswith("layer.") else name: v.asnumpy().astype(np.float64)
+         for name, v in layer.parameters_and_names()}
+    out = dict(router_weight=p["router.weight"], expert_bias=p["router.expert_bias"].astype(np.float32),
+               weight1=p["experts.weight1"], weight2=p["experts.weight2"])
+    if "shared_experts.weight1" in p:
+        out.update(shared_weight1=p["shared_experts.weight1"], shared_weight2=p["shared_experts.weight2"])
+    return out
+
+
+def config(layer):
+    r = layer.router
+    return dict(top_k=layer.top_k, n_group=r.n_group, topk_group=r.topk_group,
+                group_select_mode=r.group_select_mode,
+                routed_scaling_factor=r.routed_scaling_factor,
+                score_func="sigmoid" if r.norm_type == 1 else "softmax",
+                activation=layer.experts.activation, clamp_limit=layer.experts.clamp_limit)
+
+
+def reference(layer, x, **overrides):
+    kw = {**params(layer), **config(layer), **overrides}
+    return ref.moe_layer(x, **kw)
+
+
+def inputs(shape, seed=1, dtype="float32"):
+    return rounded(np.random.default_rng(seed).normal(0, 1, shape), dtype)
+
+
+# -- forward --------------------------------------------------------------------------------------
+
+CONFIGS = {
+    "swiglu+shared": dict(shared=1),
+    "top1": dict(k=1),
+    "E=top_k": dict(e=2, k=2, shared=2),
+    "groups-mode1": dict(e=8, k=3, n_group=4, topk_group=2, group_select_mode=1),
+    "groups-mode0": dict(e=8, k=2, n_group=4, topk_group=2, group_select_mode=0, shared=1),
+    "softmax+scale": dict(score_func="softmax", routed_scaling_factor=2.5),
+    "clamp": dict(clamp_limit=0.5),
+    "fastgelu": dict(activation="fastgelu", shared=1),
+    "gelu": dict(activation="gelu"),
+    "relu": dict(activation="relu", k=1),
+    "silu": dict(activation="silu", k=3),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_matches_reference(name):
+    layer = make_layer(**CONFIGS[name])
+    x = inputs((2, 5, 8))
+    out = layer(tensor(x.astype(np.float32)))
+    expected, _ = reference(layer, x)
+    assert out.shape == (2, 5, 8) and out.dtype == ms.float32
+    assert_close(numpy(out), expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_modes_and_dtypes(mode, dtype):
+    layer = make_layer(shared=1, e=8, k=2, n_group=2, topk_group=1)
+    x = inputs((12, 8), dtype=dtype)
+    out = run(layer, tensor(x, dtype), mode=mode)
+    assert out.shape == (12, 8) and out.dtype == tensor(x, dtype).dtype
+    expected, _ = reference(layer, x)
+    # the weights are rounded to the input dtype, and so is every intermediate result
+    assert_close(numpy(out), expected, dtype, tol={"float32": 1e-5, "float16": 5e-3,
+                                                   "bfloat16": 4e-2}[dtype])
+
+
+def test_experts_without_tokens(mode):
+    # the bias makes every token choose experts 1 and 4: the others get no rows at all
+    layer = make_layer(e=6, k=2, shared=1)
+    layer.router.expert_bias.set_data(Tensor(np.array([0, 5, 0, 0, 5, 0], np.float32)))
+    x = inputs((7, 8))
+    out = run(layer, tensor(x.astype(np.float32)), mode=mode)
+    expected, idx = reference(layer, x)
+    assert set(np.unique(idx)) == {1, 4}
+    assert_close(numpy(out), expected)
+    np.testing.assert_array_equal(layer.router.load(), [0, 7, 0, 0, 7, 0])
+    grads = layer_grads(layer, x, np.ones((7, 8)), mode)[1]
+    gw1 = grads["experts.weight1"]
+    assert np.abs(gw1[[0, 2, 3, 5]]).max() == 0 and np.abs(gw1[[1, 4]]).max() > 0
+
+
+# -- gradients ------------------------------------------------------------------------------------
+
+class _Objective(nn.Cell):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x, cotangent):
+        return (self.layer(x).astype(ms.float32) * cotangent).sum()
+
+
+def layer_grads(layer, x, cotangent, mode, dtype="float32"):
+    """(d/dx, {parameter name: d/dparam}) of sum(layer(x) * cotangent)."""
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        weights = layer.trainable_params()
+        fn = ms.grad(_Objective(layer), grad_position=0, weights=weights)
+        gx, gw = fn(tensor(x, dtype), Tensor(cotangent.astype(np.float32)))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    names = [p.name.split("layer.", 1)[-1] for p in weights]
+    return numpy(gx), {n: numpy(g) for n, g in zip(names, gw)}
+
+
+GRAD_CONFIGS = {
+    "swiglu+shared": dict(shared=1),
+    "fastgelu+groups": dict(activation="fastgelu", e=4, k=2, n_group=2, topk_group=1),
+    "softmax+clamp": dict(score_func="softmax", clamp_limit=0.8, routed_scaling_factor=1.5),
+}
+
+
+@pytest.mark.parametrize("name", list(GRAD_CONFIGS))
+def test_gradients_match_finite_differences(name, mode):
+    layer = make_layer(h=4, f=3, e=4, k=2, **{k: v for k, v in GRAD_CONFIGS[name].items()
+                                              if k not in ("e", "k")})
+    x = inputs((5, 4), seed=3)
+    cot = np.random.default_rng(4).normal(0, 1, (5, 4))
+    gx, gw = layer_grads(layer, x, cot, mode)
+    _, idx = reference(layer, x)  # the routing is held fixed: it is piecewise constant
+    base = params(layer)
+
+    def objective(**change):
+        out, _ = ref.moe_layer(**{**base, **config(layer), "x": x, "expert_idx": idx, **change})
+        return float((out * cot).sum())
+
+    assert_close(gx, finite_diff(lambda v: objective(x=v), x), tol=1e-4)
+    names = {"router.weight": "router_weight", "experts.weight1": "weight1",
+             "experts.weight2": "weight2", "shared_experts.weight1": "shared_weight1",
+             "shared_experts.weight2": "shared_weight2"}
+    assert set(gw) == {n for n in names if names[n] in base}
+    for pname, arg in names.items():
+        if arg in base:
+            expected = finite_diff(lambda v: objective(**{arg: v}), base[arg])
+            assert np.abs(expected).max() > 0, pname
+            assert_close(gw[pname], expected, tol=1e-4)
+
+
+def test_bfloat16_gradients_are_close(mode):
+    layer = make_layer(h=4, f=3, shared=1)
+    x = inputs((6, 4), seed=5, dtype="bfloat16")
+    cot = np.ones((6, 4))
+    gx, gw = layer_grads(layer, x, cot, mode, dtype="bfloat16")
+    gx32, gw32 = layer_grads(layer, x, cot, mode)
+    assert_close(gx, gx32, "bfloat16", tol=5e-2)
+    for name in gw32:
+        assert_close(gw[name], gw32[name], "bfloat16", tol=5e-2)
+
+
+# -- load balance, training, layout ---------------------------------------------------------------
+
+def test_tokens_per_expert_counts_once_per_step_in_graph_mode():
+    layer = make_layer(e=4, k=2)
+    x = Tensor(inputs((10, 8)).astype(np.float32))
+    target = Tensor(np.zeros((10, 8), np.float32))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        net = nn.WithLossCell(layer, nn.MSELoss())
+        step = nn.TrainOneStepCell(net, nn.SGD(layer.trainable_params(), 0.01))
+        step(x, target)
+        assert layer.router.load().sum() == 20
+        step(x, target)
+        assert layer.router.load().sum() == 40
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    load = update_expert_bias(layer)
+    assert load.shape == (1, 4) and load.sum() == 40
+    assert layer.router.load().sum() == 0
+
+
+def test_bias_update_moves_load_toward_balance(mode):
+    layer = make_layer(h=8, e=8, k=2, bias_update_rate=0.05)
+    x = inputs((64, 8), seed=6)
+    # expert 0 wins every token at first
+    w = layer.router.weight.asnumpy()
+    w[0] = 0
+    layer.router.expert_bias.set_data(Tensor(np.array([2] + [0] * 7, np.float32)))
+    layer.router.weight.set_data(Tensor(w))
+    xt = tensor(x.astype(np.float32))
+    imbalance = []
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        for _ in range(60):
+            layer(xt)  # one compiled graph: the bias is a Parameter, changing it needs no rebuild
+            imbalance.append(load_imbalance(layer)[0])
+            update_expert_bias(layer)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert imbalance[0] >= 3.9  # 64 of the 128 routed slots on expert 0: 4x the mean
+    assert max(imbalance[-5:]) < 2.0, imbalance
+
+
+def test_train_one_step_cell_decreases_loss(mode):
+    ms.set_seed(0)
+    layer = make_layer(h=8, f=8, e=4, k=2, shared=1)
+    rng = np.random.default_rng(7)
+    x = Tensor(rng.normal(0, 1, (32, 8)).astype(np.float32))
+    target = Tensor(np.tanh(rng.normal(0, 1, (32, 8))).astype(np.float32))
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        step = nn.TrainOneStepCell(nn.WithLossCell(layer, nn.MSELoss()),
+                                   nn.Adam(layer.trainable_params(), 0.01))
+        losses = []
+        for _ in range(25):
+            losses.append(float(step(x, target)))
+            update_expert_bias(layer)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert np.isfinite(losses).all() and losses[-1] < 0.5 * losses[0], losses
+
+
+def test_parameter_layout():
+    layer = MoELayer(16, 12, 8, 2, n_shared_experts=2, shared_ffn_hidden_size=5)
+    shapes = {n: tuple(p.shape) for n, p in layer.parameters_and_names()}
+    assert shapes == {"router.weight": (8, 16), "router.expert_bias": (8,),
+                      "router.tokens_per_expert": (8,), "experts.weight1": (8, 16, 24),
+                      "experts.weight2": (8, 12, 16), "shared_experts.weight1": (16, 20),
+                      "shared_experts.weight2": (10, 16)}
+    assert {p.name for p in layer.trainable_params()} == {
+        "router.weight", "experts.weight1", "experts.weight2", "shared_experts.weight1",
+        "shared_experts.weight2"}
+    plain = MoELayer(16, 12, 8, 2, activation="relu")
+    assert plain.experts.weight1.shape == (8, 16, 12) and plain.shared_experts is None
+
+
+def test_deepseek_v3_checkpoint_converter():
+    h, f, e = 8, 6, 4
+    rng = np.random.default_rng(8)
+    hf = {"model.layers.0.mlp.gate.weight": rng.normal(0, 0.5, (e, h)),
+          "model.layers.0.mlp.gate.e_score_correction_bias": rng.normal(0, 0.1, e)}
+    for stem in [f"experts.{i}." for i in range(e)] + ["shared_experts."]:
+        hf[f"model.layers.0.mlp.{stem}gate_proj.weight"] = rng.normal(0, 0.4, (f, h))
+        hf[f"model.layers.0.mlp.{stem}up_proj.weight"] = rng.normal(0, 0.4, (f, h))
+        hf[f"model.layers.0.mlp.{stem}down_proj.weight"] = rng.normal(0, 0.4, (h, f))
+    converted = ms_moe_ops.convert_deepseek_v3_moe(hf, "model.layers.0.mlp.", "", e)
+    layer = MoELayer(h, f, e, 2, n_shared_experts=1)
+    not_loaded, _ = ms.load_param_into_net(
+        layer, {k: Parameter(Tensor(v), name=k) for k, v in converted.items()})
+    assert not_loaded == ["router.tokens_per_expert"]  # routing statistics, not a weight
+    x = inputs((5, h))
+    out = numpy(layer(tensor(x.astype(np.float32))))
+    # the Hugging Face formulation, token by token
+    p = {k.split("mlp.")[1]: v for k, v in hf.items()}
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    mlp = lambda v, s: (silu(v @ p[s + "gate_proj.weight"].T) * (v @ p[s + "up_proj.weight"].T)) \
+        @ p[s + "down_proj.weight"].T  # noqa: E731
+    scores = 1 / (1 + np.exp(-(x @ p["gate.weight"].T)))
+    expected = np.zeros_like(x)
+    for t in range(5):
+        top = np.argsort(-(scores[t] + p["gate.e_score_correction_bias"]), kind="stable")[:2]
+        w = scores[t, top] / scores[t, top].sum()
+        expected[t] = sum(wi * mlp(x[t], f"experts.{i}.") for wi, i in zip(w, top))
+        expected[t] += mlp(x[t], "shared_experts.")
+    assert_close(out, expected, tol=1e-5)
+
+
+def test_bad_configuration():
+    with pytest.raises(ValueError, match="activation"):
+        MoELayer(8, 4, 4, 2, activation="tanh")
+    with pytest.raises(ValueError, match="n_shared_experts"):
+        MoELayer(8, 4, 4, 2, n_shared_experts=-1)
+    with pytest.raises(ValueError, match="top_k"):
+        MoELayer(8, 4, 4, 5)
+    with pytest.raises(ValueError, match="clamp_limit"):
+        MoELayer(8, 4, 4, 2, activation="relu", clamp_limit=1.0)
