@@ -94,17 +94,19 @@ def test_gradients_by_finite_differences(form, mode):
 
 
 def test_gradient_low_precision(mode):
-    x, w, _, dy, gl = _case(counts=(4, 5, 0), dtype="bfloat16")
+    x, w, b, dy, gl = _case(counts=(4, 5, 0), dtype="bfloat16")
     weights = tensor(dy, "float32")  # bfloat16-exact; the CPU has no bfloat16 sum
 
-    def loss(x, w, gl):
-        return (grouped_matmul(x, w, gl).astype(ms.float32) * weights).sum()
+    def loss(x, w, b, gl):
+        return (grouped_matmul(x, w, gl, b).astype(ms.float32) * weights).sum()
 
-    got = grad(loss, tensor(x, "bfloat16"), tensor(w, "bfloat16"), tensor(gl), mode=mode, argnums=(0, 1))
+    bf = lambda a: tensor(a, "bfloat16")
+    got = grad(loss, bf(x), bf(w), bf(b), tensor(gl), mode=mode, argnums=(0, 1, 2))
     assert_close(numpy(got[0]), reference.grouped_matmul(dy, w, gl, transpose_weight=True), "bfloat16")
     expected_dw = reference.grouped_matmul(x, dy, gl, transpose_x=True)
     assert_close(numpy(got[1]), expected_dw, "bfloat16", tol=3e-2)
     assert not numpy(got[1])[2].any()
+    assert_close(numpy(got[2]), [dy[:4].sum(0), dy[4:].sum(0), np.zeros(4)], "bfloat16")
 
 
 # -- bad input ------------------------------------------------------------------------------------

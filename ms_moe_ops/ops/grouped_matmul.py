@@ -1,5 +1,6 @@
 """grouped_matmul (SPEC §5): one matrix product per group of rows, with the transposed forms a
 backward needs, so that grouped layers (MoeFFN) differentiate through it."""
+import mindspore as ms
 from mindspore import ops
 
 from ._checks import FLOATS, check_dtype, check_rank, check_same_dtype, check_shape
@@ -53,7 +54,10 @@ def group_sum(values, group_list, cumulative=False):
     """Per-group sum of the rows of values [M, N] -> [G, N] (a product with a column of ones)."""
     ones = ops.ones((values.shape[0], 1), values.dtype)
     sums = grouped_matmul(ones, values, group_list, transpose_x=True, cumulative=cumulative)
-    return sums.reshape(sums.shape[0], sums.shape[2])
+    shape = (sums.shape[0], sums.shape[2])
+    if values.dtype == ms.bfloat16:  # GRAPH mode has no bfloat16 Reshape on CPU (exact casts)
+        return sums.astype(ms.float32).reshape(shape).astype(ms.bfloat16)
+    return sums.reshape(shape)
 
 
 def _bprop(a):
