@@ -158,45 +158,88 @@ inline void store<f16>(const float *src, f16 *dst, int64_t n) {
 }
 #endif
 
-// -- rows -------------------------------------------------------------------------------------
+// -- cache-bypassing stores ----------------------------------------------------------------------
+
+// Outputs at least this large are written with non-temporal stores: they do not fit in the cache
+// anyway, and streaming them skips the read-for-ownership of every output line (up to a third of
+// this memory-bound kernel's traffic).
+constexpr int64_t kStreamBytes = 8 << 20;
+
+inline void stream_copy(void *dst, const void *src, int64_t bytes) {
+#if defined(__AVX__)
+  char *d = static_cast<char *>(dst);
+  const char *s = static_cast<const char *>(src);
+  const int64_t head = std::min<int64_t>(bytes, (32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31);
+  std::memcpy(d, s, head);
+  d += head, s += head, bytes -= head;
+  for (; bytes >= 32; bytes -= 32, d += 32, s += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i *>(d),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i *>(s)));
+  std::memcpy(d, s, bytes);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__AVX__)
+  _mm_sfence();  // streamed stores are weakly ordered: each thread publishes its rows
+#endif
+}
+
+// A block of inputs as float32: the tensor itself for float32, else converted into buf.
+template <typename T>
+inline const float *as_f32(const T *src, float *buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    load(src, buf, n);
+    return buf;
+  }
+}
+
+// Writes a float32 block to dst in T, through the cache or around it.
+template <typename T>
+inline void put(const float *src, T *dst, int64_t n, bool stream) {
+  if (!stream) return store(src, dst, n);
+  if constexpr (std::is_same_v<T, float>) {
+    stream_copy(dst, src, n * 4);
+  } else {
+    T tmp[kBlock];
+    store(src, tmp, n);
+    stream_copy(dst, tmp, n * static_cast<int64_t>(sizeof(T)));
+  }
+}
+
+// -- rows, block by block (float32 blocks of at most kBlock stay in L1) -----------------------
 
 template <typename T, bool kClamp>
-void swiglu_row(const T *x, int64_t h, float c, float w, T *y, T *y_origin) {
-  if constexpr (std::is_same_v<T, float>) {
-    swiglu_block<kClamp>(x, x + h, h, c, w, y, y_origin);
-  } else {
-    float a[kBlock], b[kBlock], fy[kBlock], fyo[kBlock];
-    for (int64_t j = 0; j < h; j += kBlock) {
-      const int64_t n = std::min(kBlock, h - j);
-      load(x + j, a, n);
-      load(x + h + j, b, n);
-      swiglu_block<kClamp>(a, b, n, c, w, fy, fyo);
-      store(fy, y + j, n);
-      store(fyo, y_origin + j, n);
-    }
+void swiglu_row(const T *x, int64_t h, float c, float w, T *y, T *y_origin, bool stream) {
+  float a[kBlock], b[kBlock], fy[kBlock], fyo[kBlock];
+  for (int64_t j = 0; j < h; j += kBlock) {
+    const int64_t n = std::min(kBlock, h - j);
+    swiglu_block<kClamp>(as_f32(x + j, a, n), as_f32(x + h + j, b, n), n, c, w, fy, fyo);
+    put(fy, y + j, n, stream);
+    put(fyo, y_origin + j, n, stream);
   }
+  if (stream) stream_fence();
 }
 
 template <typename T, bool kClamp, bool kWeight>
 float swiglu_grad_row(const T *grad_y, const T *x, const T *y_origin, int64_t h, float c, float w,
-                      T *gx) {
-  if constexpr (std::is_same_v<T, float>) {
-    return swiglu_grad_block<kClamp, kWeight>(grad_y, x, x + h, y_origin, h, c, w, gx, gx + h);
-  } else {
-    float g[kBlock], a[kBlock], b[kBlock], yo[kBlock], da[kBlock], db[kBlock];
-    float gw = 0.f;
-    for (int64_t j = 0; j < h; j += kBlock) {
-      const int64_t n = std::min(kBlock, h - j);
-      load(grad_y + j, g, n);
-      load(x + j, a, n);
-      load(x + h + j, b, n);
-      if (kWeight) load(y_origin + j, yo, n);
-      gw += swiglu_grad_block<kClamp, kWeight>(g, a, b, yo, n, c, w, da, db);
-      store(da, gx + j, n);
-      store(db, gx + h + j, n);
-    }
-    return gw;
+                      T *gx, bool stream) {
+  float g[kBlock], a[kBlock], b[kBlock], yo[kBlock], da[kBlock], db[kBlock];
+  float gw = 0.f;
+  for (int64_t j = 0; j < h; j += kBlock) {
+    const int64_t n = std::min(kBlock, h - j);
+    const float *yo_f = kWeight ? as_f32(y_origin + j, yo, n) : nullptr;
+    gw += swiglu_grad_block<kClamp, kWeight>(as_f32(grad_y + j, g, n), as_f32(x + j, a, n),
+                                             as_f32(x + h + j, b, n), yo_f, n, c, w, da, db);
+    put(da, gx + j, n, stream);
+    put(db, gx + h + j, n, stream);
   }
+  if (stream) stream_fence();
+  return gw;
 }
 
 // -- forward ----------------------------------------------------------------------------------
@@ -216,6 +259,7 @@ int swiglu_forward(const Args &args, Extra *extra) {
   const bool clamp = c > 0.f;
   const float *w = weight.present() ? weight.as<float>() : nullptr;
   const int64_t h = l.h;
+  const bool stream = 2 * l.rows * h * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < l.rows; ++t) {
     T *yr = y.as<T>() + t * h, *yo = y_origin.as<T>() + t * h;
@@ -226,8 +270,8 @@ int swiglu_forward(const Args &args, Extra *extra) {
     }
     const T *xr = x.as<T>() + t * 2 * h;
     const float wt = w ? w[t] : 1.f;
-    if (clamp) swiglu_row<T, true>(xr, h, c, wt, yr, yo);
-    else swiglu_row<T, false>(xr, h, c, wt, yr, yo);
+    if (clamp) swiglu_row<T, true>(xr, h, c, wt, yr, yo, stream);
+    else swiglu_row<T, false>(xr, h, c, wt, yr, yo, stream);
   }
   return 0;
 }
@@ -254,6 +298,7 @@ int swiglu_backward(const Args &args, Extra *extra) {
   const float c = extra->GetAttrFloat("clamp_limit");
   const bool clamp = c > 0.f, weighted = weight.present();
   float *gw = grad_weight.present() ? grad_weight.as<float>() : nullptr;
+  const bool stream = 2 * l.rows * h * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < l.rows; ++t) {
     T *gx = grad_x.as<T>() + t * 2 * h;
@@ -263,11 +308,11 @@ int swiglu_backward(const Args &args, Extra *extra) {
       if (weighted) {
         const T *yo = y_origin.as<T>() + t * h;
         const float wt = weight.as<float>()[t];
-        gwt = clamp ? swiglu_grad_row<T, true, true>(gy, xr, yo, h, c, wt, gx)
-                    : swiglu_grad_row<T, false, true>(gy, xr, yo, h, c, wt, gx);
+        gwt = clamp ? swiglu_grad_row<T, true, true>(gy, xr, yo, h, c, wt, gx, stream)
+                    : swiglu_grad_row<T, false, true>(gy, xr, yo, h, c, wt, gx, stream);
       } else {
-        if (clamp) swiglu_grad_row<T, true, false>(gy, xr, nullptr, h, c, 1.f, gx);
-        else swiglu_grad_row<T, false, false>(gy, xr, nullptr, h, c, 1.f, gx);
+        if (clamp) swiglu_grad_row<T, true, false>(gy, xr, nullptr, h, c, 1.f, gx, stream);
+        else swiglu_grad_row<T, false, false>(gy, xr, nullptr, h, c, 1.f, gx, stream);
       }
     } else {
       std::fill(gx, gx + 2 * h, from_f32<T>(0.f));

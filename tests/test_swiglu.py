@@ -208,6 +208,20 @@ def test_large_values_stay_finite(dtype):
     assert_close(gx, ref.swiglu_group_quant_grad(gy, x)[0], dtype)
 
 
+@pytest.mark.parametrize("dtype,n", [("float32", 1030), ("bfloat16", 1450), ("float16", 1450)])
+def test_large_outputs(dtype, n):
+    """Outputs of 8 MiB and more bypass the cache (streaming stores, unaligned rows here)."""
+    x, w, gy = inputs((n, 2 * n), dtype)
+    counts = [n - 3]
+    y, yo = SWIGLU_GROUP(t(x, dtype), t(w), groups(counts), clamp_limit=1.5)
+    assert_close(numpy(y), ref.swiglu_group(x, w, counts, 1.5), dtype)
+    gx, gw = swiglu_group_quant_grad(t(gy, dtype), t(x, dtype), t(w), yo, groups(counts),
+                                     clamp_limit=1.5)
+    want_x, want_w = ref.swiglu_group_quant_grad(gy, x, w, numpy(yo), counts, 1.5)
+    assert_close(numpy(gx), want_x, dtype)
+    assert_close(numpy(gw), want_w, "float32", tol=1e-5 * np.sqrt(n))
+
+
 def test_deterministic():
     x, w, gy = inputs((64, 200))
     yo = ref.swiglu_group(x).astype(np.float32)
