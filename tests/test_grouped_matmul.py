@@ -62,6 +62,33 @@ def test_deterministic():
     assert np.array_equal(first, second)
 
 
+def _blas_threads(n):
+    """Sets the kernels' BLAS thread count; returns the previous one."""
+    import ctypes
+    import os
+    import scipy_openblas32 as blas
+
+    lib = ctypes.CDLL(os.path.join(blas.get_lib_dir(), f"lib{blas.get_library()}.so"))
+    old = lib.scipy_openblas_get_num_threads()
+    lib.scipy_openblas_set_num_threads(n)
+    return old
+
+
+def test_same_bits_whatever_the_thread_count():
+    x, w, b, dy, gl = _case(m=600, k=96, n=80, counts=(250, 0, 350))
+    args = tensor(x, "float32"), tensor(w, "float32"), tensor(gl), tensor(b, "float32")
+    old = _blas_threads(1)
+    try:
+        one = numpy(grouped_matmul(*args)), numpy(grouped_matmul(args[0], tensor(dy, "float32"),
+                                                                 args[2], transpose_x=True))
+    finally:
+        _blas_threads(max(old, 2))
+    many = numpy(grouped_matmul(*args)), numpy(grouped_matmul(args[0], tensor(dy, "float32"),
+                                                              args[2], transpose_x=True))
+    _blas_threads(old)
+    assert all(np.array_equal(a, b) for a, b in zip(one, many))
+
+
 @pytest.mark.parametrize("form", ["plain", "transpose_weight", "transpose_x"])
 def test_gradients_by_finite_differences(form, mode):
     x, w, b, dy, gl = _case(m=6, k=3, n=2, counts=(2, 0, 4))
