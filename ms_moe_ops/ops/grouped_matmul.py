@@ -81,7 +81,11 @@ def _bprop(a):
 
 
 def _ascend(a):
-    """MindSpore's grouped matmul (aclnnGroupedMatmulV4); it has no CPU kernel."""
+    """MindSpore's grouped matmul (aclnnGroupedMatmulV4); it has no CPU kernel.
+
+    transpose_x uses group_type 2 (groups along the reduced axis), which CANN's
+    aclnnGroupedMatmulV4 documents but MindSpore 2.10's docstring does not list (-1 and 0
+    only): not checked on a device."""
     from mindspore.ops.auto_generate import grouped_matmul_v4
 
     list_type = 0 if a["cumulative"] else 1  # 0: cumulative ends, 1: counts
