@@ -1,7 +1,10 @@
 // SwiGLU kernels (SPEC §3): swiglu_group (forward, also returns the un-weighted y_origin) and
 // swiglu_group_quant_grad (the seed's SwigluGroupQuantGrad). Both are memory bound: one pass over
-// every tensor, rows in parallel, branch-free inner loops the compiler vectorises.
+// every tensor, rows in parallel, branch-free float32 inner loops the compiler vectorises over
+// L1-sized blocks (float16/bfloat16 converted block by block), large outputs streamed.
+#if defined(__AVX__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <type_traits>
