@@ -65,15 +65,30 @@ struct PackedB {
     for (int64_t p = 0; p < panels; ++p) {
       int8_t *dst = data.data() + p * k4 * kNR * 4;
       int32_t sum[kNR] = {};
-      for (int64_t q = 0; q < k4; ++q)
+      const int64_t c0 = p * kNR;
+      for (int64_t q = 0; q < k4; ++q, dst += kNR * 4) {
+        if (c0 + kNR <= n && q * 4 + 4 <= k) {
+          // interior: branch-free, so the compiler turns it into byte shuffles
+          const int8_t *r0 = b + q * 4 * n + c0, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
+          for (int j = 0; j < kNR; ++j) {
+            dst[j * 4] = r0[j];
+            dst[j * 4 + 1] = r1[j];
+            dst[j * 4 + 2] = r2[j];
+            dst[j * 4 + 3] = r3[j];
+            sum[j] += r0[j] + r1[j] + r2[j] + r3[j];
+          }
+          continue;
+        }
         for (int64_t j = 0; j < kNR; ++j)
           for (int64_t t = 0; t < 4; ++t) {
-            const int64_t row = q * 4 + t, col = p * kNR + j;
+            const int64_t row = q * 4 + t, col = c0 + j;
             const int8_t v = (row < k && col < n) ? b[row * n + col] : 0;
-            dst[(q * kNR + j) * 4 + t] = v;
+            dst[j * 4 + t] = v;
             sum[j] += v;
           }
-      for (int j = 0; j < kNR; ++j) corr[p * kNR + j] = static_cast<int32_t>(128u * static_cast<uint32_t>(sum[j]));
+      }
+      for (int j = 0; j < kNR; ++j)
+        corr[c0 + j] = static_cast<int32_t>(128u * static_cast<uint32_t>(sum[j]));
     }
   }
   const int8_t *panel(int64_t p) const { return data.data() + p * k4 * kNR * 4; }
