@@ -85,6 +85,18 @@ def test_ascend_composition_matches_golden():
     assert_close(numpy(y), ref.swiglu_group(x))
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ascend_composition_gradient_is_the_fused_backward(mode, weighted):
+    x, w, _ = inputs((6, 8))
+    w = w if weighted else None
+    r = RNG.normal(size=(6, 4))
+    forward = SWIGLU_GROUP.ascend(SWIGLU_GROUP.resolve(clamp_limit=1.5))
+    fn = lambda x_: (forward(x_, t(w), groups([4]))[0] * tensor(r, "float32")).sum()
+    gx = grad(fn, t(x), mode=mode)
+    yo = ref.swiglu_group(x, None, [4], 1.5)
+    assert_close(numpy(gx), ref.swiglu_group_quant_grad(r, x, w, yo, [4], 1.5)[0])
+
+
 # -- backward -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(2, 3, 1040), (7, 10)])

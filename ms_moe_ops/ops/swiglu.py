@@ -8,7 +8,7 @@ which the CPU kernels (c > 0 test) and the aclnn call both read as "off".
 import math
 
 import mindspore as ms
-from mindspore import ops
+from mindspore import nn, ops
 
 from ._checks import FLOATS, check_dtype, check_rank, check_same_dtype, check_shape
 from ._op import Attr, OpDef
@@ -75,11 +75,17 @@ def _row_mask(rows_shape, group_index):
     return keep.reshape(tuple(rows_shape) + (1,))
 
 
-def _swiglu_composed(a):
-    """The forward from MindSpore ops (Ascend has no aclnn kernel for it)."""
-    c = a["clamp_limit"]
+class _ComposedSwiglu(nn.Cell):
+    """The forward from MindSpore ops (Ascend has no aclnn kernel for it); its gradient is still
+    the fused backward (aclnnSwigluGroupQuantGrad on Ascend), not autodiff of the composition."""
 
-    def forward(x, weight, group_index):
+    def __init__(self, a):
+        super().__init__()
+        self.clamp_limit = a["clamp_limit"]
+        self.backward = _swiglu_bprop(a)
+
+    def construct(self, x, weight, group_index):
+        c = self.clamp_limit
         x0, x1 = ops.chunk(x.astype(ms.float32), 2, axis=-1)
         if c > 0:
             x0 = ops.minimum(x0, c)
@@ -90,7 +96,11 @@ def _swiglu_composed(a):
         y = y_origin if weight is None else y_origin * weight
         return y.astype(x.dtype), y_origin.astype(x.dtype)
 
-    return forward
+    def bprop(self, x, weight, group_index, out, dout):
+        if weight is None:
+            # y and y_origin are then one tensor, and PyNative may route its gradient to either
+            dout = (dout[0] + dout[1], dout[1])
+        return self.backward(x, weight, group_index, out, dout)
 
 
 def _swiglu_bprop(a):
@@ -121,7 +131,7 @@ SWIGLU_GROUP = OpDef(
     infer=_infer_forward,
     infer_dtype=_infer_forward_dtype,
     cpu="SwigluGroup",
-    ascend=_swiglu_composed,
+    ascend=_ComposedSwiglu,
     bprop=_swiglu_bprop,
 )
 
@@ -141,8 +151,8 @@ def swiglu_group(x, weight=None, group_index=None, clamp_limit=0.0):
 
     Returns:
         y: [.., H], dtype of x. Differentiable with respect to x and weight (the backward is
-        swiglu_group_quant_grad). On Ascend the forward is composed from MindSpore ops and its
-        gradient comes from MindSpore's autodiff of that composition.
+        swiglu_group_quant_grad). On Ascend the forward is composed from MindSpore ops (there is
+        no aclnn forward kernel) and the backward is aclnnSwigluGroupQuantGrad.
     """
     return SWIGLU_GROUP(x, weight, group_index, clamp_limit=clamp_limit)[0]
 
