@@ -64,7 +64,7 @@ def main():
     quant = quantize_moe_ffn(cell, calib, counts, output_dtype="float32")
     x = rng.standard_normal((m, h)).astype(np.float32)
     x_t = Tensor(x)
-    x_q = Tensor(np.clip(np.rint(x / np.float32(quant.x_step)), -128, 127).astype(np.int8))
+    x_q = Tensor(np.clip(np.rint(x / quant.x_step.asnumpy()), -128, 127).astype(np.int8))
     int8_args = (x_q, tokens, quant.weight1, quant.weight2, quant.bias1, quant.bias2, quant.scale,
                  quant.offset, quant.deq_scale1, quant.deq_scale2)
     int8_op = Int8FFN()

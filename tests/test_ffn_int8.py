@@ -260,7 +260,7 @@ def test_quantised_cell_runs_the_int8_golden_model(mode):
                           output_dtype="bfloat16")
     assert isinstance(q, QuantMoeFFN) and q.weight1.dtype == ms.int8 and q.deq_scale1.dtype == ms.uint64
     y = run(q, tensor(calib), tensor(tokens), mode=mode)
-    x_q = np.clip(np.rint(calib / np.float32(q.x_step)), -128, 127).astype(np.int8)
+    x_q = np.clip(np.rint(calib / q.x_step.asnumpy()), -128, 127).astype(np.int8)
     p = {n: getattr(q, n).asnumpy() for n in ("weight1", "weight2", "bias1", "bias2", "scale",
                                              "offset", "deq_scale1", "deq_scale2")}
     expected = reference.moe_ffn_quant(x_q, tokens, p["weight1"], p["weight2"], p["bias1"],
@@ -268,6 +268,17 @@ def test_quantised_cell_runs_the_int8_golden_model(mode):
                                        p["deq_scale2"], output_dtype="bfloat16")
     v = dict(dq2=p["deq_scale2"])
     _assert_matches(y, expected, v, "fastgelu")
+
+
+def test_quantised_cell_checkpoint_round_trip(tmp_path):
+    tokens = np.array([6, 10], np.int64)
+    q, calib = _quantised(MoeFFN(2, 8, 16, has_bias=True), tokens, bias=0.1)
+    other, _ = _quantised(MoeFFN(2, 8, 16, has_bias=True), tokens, bias=0.1)
+    path = str(tmp_path / "quant.ckpt")
+    ms.save_checkpoint(q, path)
+    ms.load_param_into_net(other, ms.load_checkpoint(path))
+    x, t = tensor(calib * 3), tensor(tokens)
+    np.testing.assert_array_equal(numpy(other(x, t)), numpy(q(x, t)))
 
 
 def test_quantised_scales_sit_on_the_19_bit_grid():

@@ -90,7 +90,7 @@ def quantize_moe_ffn(cell, calibration_x, expert_tokens, output_dtype="float16")
     rows = _expert_rows(tokens, x.shape[0])
 
     # x: static symmetric per-tensor
-    x_step = float(np.abs(x).max(initial=0.0)) / 127 or 1.0
+    x_step = float(np.float32(np.abs(x).max(initial=0.0) / 127)) or 1.0  # as the Cell holds it
     # first product: deq1 = x_step * w1 column step, on the device's grid
     w1_step = np.abs(w1).max(axis=1) / 127
     w1_step[w1_step == 0] = 1.0
@@ -129,8 +129,8 @@ class QuantMoeFFN(nn.Cell):
     construct(x [M, H] float, expert_tokens int64 [E] counts) -> [M, H] in output_dtype:
     x is quantised with the static scale (round half to even, saturated), then both expert
     products run on the int8 path of `moe_ffn`. Inference only: asking for a gradient raises.
-    Parameters (int8 weights, int32 biases, float32 scale/offset, uint64 dequant scales) are
-    saved and loaded with the usual checkpoint functions.
+    Parameters (x_step: the static x scale, int8 weights, int32 biases, float32 scale/offset,
+    uint64 dequant scales) are saved and loaded with the usual checkpoint functions.
     """
 
     def __init__(self, x_step, weight1, weight2, bias1, bias2, scale, offset, deq_scale1,
@@ -138,12 +138,12 @@ class QuantMoeFFN(nn.Cell):
         super().__init__()
         self.activation = activation
         self.output_dtype = output_dtype
-        self.x_step = float(x_step)
 
         def param(v, dtype, name):
             return None if v is None else Parameter(Tensor(np.asarray(v, dtype)), name=name,
                                                     requires_grad=False)
 
+        self.x_step = param(x_step, np.float32, "x_step")  # a Parameter: checkpoints keep it
         self.weight1 = param(weight1, np.int8, "weight1")
         self.weight2 = param(weight2, np.int8, "weight2")
         self.bias1 = param(bias1, np.int32, "bias1")
