@@ -298,6 +298,15 @@ def test_backward_bad_input(error, name, kwargs):
         swiglu_group_quant_grad(**args)
 
 
+def test_required_inputs():
+    with pytest.raises(ValueError, match="swiglu_group: .*'x'"):
+        swiglu_group(None)
+    with pytest.raises(ValueError, match="swiglu_group_quant_grad: .*'grad_y'"):
+        swiglu_group_quant_grad(None, tensor(X))
+    with pytest.raises(ValueError, match="swiglu_group_quant_grad: .*'x'"):
+        swiglu_group_quant_grad(tensor(GY), None)
+
+
 def test_bad_input_in_graph_mode():
     fn = lambda x_: swiglu_group(x_)
     with pytest.raises(ValueError, match="swiglu_group: .*'x'"):
