@@ -5,6 +5,10 @@ jit'ed Cell) and from numpy, forward and forward+backward, even and uneven exper
 
 GFLOP/s count the nominal products (forward 4*M*H*F, forward+backward 12*M*H*F). --int8 adds the
 quantised inference path (int8 x int8 products, GOP/s).
+
+numpy's bundled OpenBLAS can mis-detect the CPU in a virtual machine (OPENBLAS_VERBOSE=2 prints
+"Core: Prescott", SSE3 kernels); compare against its real speed with OPENBLAS_CORETYPE=SkylakeX
+(or the CPU's family) set in the environment.
 """
 import argparse
 import statistics
