@@ -24,7 +24,7 @@ from moe_lm import MoELanguageModel, CharData  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=500, help="training steps")
+    p.add_argument("--steps", type=int, default=1000, help="training steps")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
     p.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
@@ -37,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (Adam, cosine decay)")
     p.add_argument("--bias-update-rate", type=float, default=5e-3,
                    help="aux-loss-free balancing: expert-bias step per training step")
-    p.add_argument("--eval-every", type=int, default=50, help="validation interval (steps)")
+    p.add_argument("--eval-every", type=int, default=100, help="validation interval (steps)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     p.add_argument("--sample-chars", type=int, default=300, help="length of the sampled text")
     p.add_argument("--device", choices=("CPU", "Ascend"), default="CPU")
@@ -87,7 +87,8 @@ def main(argv=None):
     def tensors(batch):
         return ms.Tensor(batch[0], ms.int32), ms.Tensor(batch[1].reshape(-1), ms.int32)
 
-    train_losses, val_points, loads = [], [], []
+    train_losses, loads = [], []
+    val_points = [(0, val_loss())]
     tokens = args.batch_size * args.seq_len
     start = time.time()
     first_step_time = None
@@ -126,7 +127,7 @@ def main(argv=None):
           f"compilation, then {tokens / steady:.0f} tokens/s)")
     print(f"train loss {np.mean(train_losses[:window]):.3f} -> {np.mean(train_losses[-window:]):.3f}"
           f" (mean of {window} steps); val loss {val_points[0][1]:.3f} (step {val_points[0][0]})"
-          f" -> {val_points[-1][1]:.3f} (step {val_points[-1][0]}); uniform guess "
+          f" -> {val_points[-1][1]:.3f} (step {val_points[-1][0]}); a uniform guess scores "
           f"{np.log(data.vocab_size):.3f}")
     print(f"load imbalance (max/mean tokens per expert, per layer): first {window} steps "
           f"{head_imb} -> last {window} steps {tail_imb}")
