@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "ffn.h"
 
@@ -48,50 +49,49 @@ std::vector<float> deq_scales(const Arg &d) {
   return out;
 }
 
-// The right-hand int8 matrix B [K, N] (row-major) of one expert, packed for the register tile:
-// panels of kNR columns, each [K/4][kNR][4] with K and N zero-padded; corr[n] = 128 * colsum.
-struct PackedB {
-  int64_t k4 = 0, n = 0, panels = 0;
-  std::vector<int8_t> data;
-  std::vector<int32_t> corr;
-
-  void pack(const int8_t *b, int64_t k, int64_t n_) {
-    n = n_;
-    k4 = (k + 3) / 4;
-    panels = (n + kNR - 1) / kNR;
-    data.resize(panels * k4 * kNR * 4);
-    corr.resize(panels * kNR);
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      int8_t *dst = data.data() + p * k4 * kNR * 4;
-      int32_t sum[kNR] = {};
-      const int64_t c0 = p * kNR;
-      for (int64_t q = 0; q < k4; ++q, dst += kNR * 4) {
-        if (c0 + kNR <= n && q * 4 + 4 <= k) {
-          // interior: branch-free, so the compiler turns it into byte shuffles
-          const int8_t *r0 = b + q * 4 * n + c0, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
-          for (int j = 0; j < kNR; ++j) {
-            dst[j * 4] = r0[j];
-            dst[j * 4 + 1] = r1[j];
-            dst[j * 4 + 2] = r2[j];
-            dst[j * 4 + 3] = r3[j];
-            sum[j] += r0[j] + r1[j] + r2[j] + r3[j];
-          }
-          continue;
-        }
-        for (int64_t j = 0; j < kNR; ++j)
-          for (int64_t t = 0; t < 4; ++t) {
-            const int64_t row = q * 4 + t, col = c0 + j;
-            const int8_t v = (row < k && col < n) ? b[row * n + col] : 0;
-            dst[j * 4 + t] = v;
-            sum[j] += v;
-          }
+// One panel of the right-hand int8 matrix B [K, N] (row-major) for the register tile: columns
+// c0..c0+kNR as [K/4][kNR][4], K and N zero-padded. Also writes the panel's columns of
+// bias - 128 * colsum(B) (the correction for feeding x + 128), bias may be null.
+void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t *bias,
+                int8_t *dst, int32_t *bias_out) {
+  int32_t sum[kNR] = {};
+  for (int64_t q = 0; q < (k + 3) / 4; ++q, dst += kNR * 4) {
+    if (c0 + kNR <= n && q * 4 + 4 <= k) {
+      // interior: branch-free, so the compiler turns it into byte shuffles
+      const int8_t *r0 = b + q * 4 * n + c0, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
+      for (int j = 0; j < kNR; ++j) {
+        dst[j * 4] = r0[j];
+        dst[j * 4 + 1] = r1[j];
+        dst[j * 4 + 2] = r2[j];
+        dst[j * 4 + 3] = r3[j];
+        sum[j] += r0[j] + r1[j] + r2[j] + r3[j];
       }
-      for (int j = 0; j < kNR; ++j)
-        corr[c0 + j] = static_cast<int32_t>(128u * static_cast<uint32_t>(sum[j]));
+      continue;
     }
+    for (int64_t j = 0; j < kNR; ++j)
+      for (int64_t t = 0; t < 4; ++t) {
+        const int64_t row = q * 4 + t, col = c0 + j;
+        const int8_t v = (row < k && col < n) ? b[row * n + col] : 0;
+        dst[j * 4 + t] = v;
+        sum[j] += v;
+      }
   }
-  const int8_t *panel(int64_t p) const { return data.data() + p * k4 * kNR * 4; }
+  for (int64_t j = 0; j < kNR && c0 + j < n; ++j)
+    bias_out[j] = static_cast<int32_t>((bias ? static_cast<uint32_t>(bias[c0 + j]) : 0u) -
+                                       128u * static_cast<uint32_t>(sum[j]));
+}
+
+// B [E, K, N] of every expert packed by pack_panel: expert e's panel p at panel(e, p); bias[e]
+// (N entries) holds the corrected bias.
+struct PackedWeights {
+  int64_t k, n, k4, panels;
+  std::unique_ptr<int8_t[]> data;  // written only for the experts that have rows
+  std::vector<int32_t> bias;
+
+  PackedWeights(int64_t e, int64_t k_, int64_t n_)
+      : k(k_), n(n_), k4((k_ + 3) / 4), panels((n_ + kNR - 1) / kNR),
+        data(new int8_t[e * panels * k4 * kNR * 4]), bias(e * n_) {}
+  int8_t *panel(int64_t e, int64_t p) const { return data.get() + (e * panels + p) * k4 * kNR * 4; }
 };
 
 // acc[r][j] = sum_k a_r[k] * B[k, panel column j] for kMR rows (unsigned a, K padded to 4).
@@ -140,27 +140,48 @@ void tile(const uint8_t *const *a, const int8_t *b, int64_t k4, int32_t (*acc)[k
 #endif
 }
 
-// C = A [rows r0..r1 of a, row stride lda, unsigned] x B, handing every kMR x kNR tile of
-// int32 sums to store(row, first column, rows, columns, acc). Tasks = (panel, row chunk) pairs,
-// static schedule: each output element is computed by one thread in a fixed order.
+// Work below this many multiply-adds (about 0.2 ms on one core) runs on one thread: a parallel
+// region costs more, and much more when the cores are shared with other processes.
+constexpr int64_t kParallelWork = int64_t(1) << 26;
+
+// A unit of a product: rows r0..r1 (one expert's, at most kRowChunk) times one panel.
+struct Task {
+  int64_t e, p, r0, r1;
+};
+
+std::vector<Task> tasks(const std::vector<int64_t> &offsets, int64_t panels) {
+  std::vector<Task> out;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e)
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRowChunk)
+        out.push_back({static_cast<int64_t>(e), p, r, std::min(offsets[e + 1], r + kRowChunk)});
+  return out;
+}
+
+// Every expert's C = A [its rows of a, row stride lda, unsigned] x B[e], handing every
+// kMR x kNR tile of int32 sums to store(expert, row, first column, rows, columns, acc). Every
+// output element is computed by one task in a fixed order, so the result does not depend on
+// which thread runs which task: the dynamic schedule keeps the cores busy when they are shared.
 template <typename Store>
-void gemm(const uint8_t *a, int64_t lda, int64_t r0, int64_t r1, const PackedB &b,
-          Store &&store) {
-  const int64_t chunks = (r1 - r0 + kRowChunk - 1) / kRowChunk;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t p = 0; p < b.panels; ++p)
-    for (int64_t ch = 0; ch < chunks; ++ch) {
-      alignas(64) int32_t acc[kMR][kNR];
-      const int64_t c0 = p * kNR, cols = std::min<int64_t>(kNR, b.n - c0);
-      const int64_t end = std::min(r1, r0 + (ch + 1) * kRowChunk);
-      for (int64_t i = r0 + ch * kRowChunk; i < end; i += kMR) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMR, end - i));
-        const uint8_t *rp[kMR];
-        for (int r = 0; r < kMR; ++r) rp[r] = a + (i + std::min(r, rows - 1)) * lda;
-        tile(rp, b.panel(p), b.k4, acc);
-        store(i, c0, rows, static_cast<int>(cols), acc);
-      }
+void gemm(const uint8_t *a, int64_t lda, const std::vector<int64_t> &offsets,
+          const PackedWeights &b, Store &&store) {
+  const std::vector<Task> work = tasks(offsets, b.panels);
+  const int64_t n = static_cast<int64_t>(work.size());
+  const bool parallel = offsets.back() * b.k * b.n >= kParallelWork;
+#pragma omp parallel for schedule(dynamic) if (parallel)
+  for (int64_t t = 0; t < n; ++t) {
+    const Task &w = work[t];
+    alignas(64) int32_t acc[kMR][kNR];
+    const int64_t c0 = w.p * kNR;
+    const int cols = static_cast<int>(std::min<int64_t>(kNR, b.n - c0));
+    for (int64_t i = w.r0; i < w.r1; i += kMR) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMR, w.r1 - i));
+      const uint8_t *rp[kMR];
+      for (int r = 0; r < kMR; ++r) rp[r] = a + (i + std::min(r, rows - 1)) * lda;
+      tile(rp, b.panel(w.e, w.p), b.k4, acc);
+      store(w.e, i, c0, rows, cols, acc);
     }
+  }
 }
 
 // round half to even, then saturate to int8; NaN becomes 0.
@@ -275,55 +296,70 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
   const int64_t m = a.x.dim(0), h = a.x.dim(1), e = a.tokens.dim(0), f = a.w1.dim(2);
   const int64_t hp = round_up(h, 4), fp = round_up(f, 4);
   const std::vector<float> dq1 = deq_scales(a.dq1), dq2 = deq_scales(a.dq2);
-  // x + 128 as unsigned bytes, rows padded to a multiple of 4 (padding meets zero weights).
-  std::vector<uint8_t> xu(m * hp, 0), qu(m * fp, 0);
+  const bool parallel = m * h * f >= kParallelWork;
+
+  // x + 128 as unsigned bytes; the rows of x and of q are padded to a multiple of 4 with zeros
+  // (they meet the zero padding of the packed weights).
+  std::unique_ptr<uint8_t[]> xu(new uint8_t[m * hp]), qu(new uint8_t[m * fp]);
   const int8_t *x = a.x.as<int8_t>();
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < m; ++i)
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t i = 0; i < m; ++i) {
     for (int64_t k = 0; k < h; ++k) xu[i * hp + k] = static_cast<uint8_t>(x[i * h + k] ^ 0x80);
-
-  PackedB b;
-  std::vector<int32_t> bias(std::max(f, h));
-  T *y = a.y.as<T>();
-  for (int64_t ex = 0; ex < e; ++ex) {
-    const int64_t r0 = offsets[ex], r1 = offsets[ex + 1];
-    if (r0 == r1) continue;
-    const float s = a.scale.as<float>()[ex];
-    const float o = a.offset.present() ? a.offset.as<float>()[ex] : 0.f;
-
-    // h = (x @ w1 + b1) * dq1; q = int8(rint(act(h) * scale + offset)), stored as q + 128.
-    b.pack(a.w1.as<int8_t>() + ex * h * f, h, f);
-    for (int64_t j = 0; j < f; ++j)
-      bias[j] = static_cast<int32_t>(
-          static_cast<uint32_t>(a.b1.present() ? a.b1.as<int32_t>()[ex * f + j] : 0) -
-          static_cast<uint32_t>(b.corr[j]));
-    const float *d1 = dq1.data() + ex * f;
-    gemm(xu.data(), hp, r0, r1, b, [&](int64_t i, int64_t c0, int rows, int cols,
-                                       const int32_t (*acc)[kNR]) {
-      for (int r = 0; r < rows; ++r)
-        requantise(acc[r], bias.data() + c0, d1 + c0, cols, act, s, o,
-                   qu.data() + (i + r) * fp + c0);
-    });
-
-    // y = (q @ w2 + b2) * dq2
-    b.pack(a.w2.as<int8_t>() + ex * f * h, f, h);
-    for (int64_t j = 0; j < h; ++j)
-      bias[j] = static_cast<int32_t>(
-          static_cast<uint32_t>(a.b2.present() ? a.b2.as<int32_t>()[ex * h + j] : 0) -
-          static_cast<uint32_t>(b.corr[j]));
-    const float *d2 = dq2.data() + ex * h;
-    gemm(qu.data(), fp, r0, r1, b, [&](int64_t i, int64_t c0, int rows, int cols,
-                                       const int32_t (*acc)[kNR]) {
-      for (int r = 0; r < rows; ++r) {
-        T *dst = y + (i + r) * h + c0;
-        for (int j = 0; j < cols; ++j) {
-          const int32_t sum = static_cast<int32_t>(static_cast<uint32_t>(acc[r][j]) +
-                                                   static_cast<uint32_t>(bias[c0 + j]));
-          dst[j] = from_f32<T>(static_cast<float>(sum) * d2[c0 + j]);
-        }
-      }
-    });
+    std::fill(xu.get() + i * hp + h, xu.get() + (i + 1) * hp, 0);
+    std::fill(qu.get() + i * fp + f, qu.get() + (i + 1) * fp, 0);
   }
+
+  // both weights of every expert that has rows
+  PackedWeights w1(e, h, f), w2(e, f, h);
+  struct PackTask {
+    int64_t e, p;
+    bool second;
+  };
+  std::vector<PackTask> packs;
+  for (int64_t ex = 0; ex < e; ++ex) {
+    if (offsets[ex] == offsets[ex + 1]) continue;
+    for (int64_t p = 0; p < w1.panels; ++p) packs.push_back({ex, p, false});
+    for (int64_t p = 0; p < w2.panels; ++p) packs.push_back({ex, p, true});
+  }
+  const int32_t *b1 = a.b1.present() ? a.b1.as<int32_t>() : nullptr;
+  const int32_t *b2 = a.b2.present() ? a.b2.as<int32_t>() : nullptr;
+#pragma omp parallel for schedule(dynamic) if (parallel)
+  for (int64_t t = 0; t < static_cast<int64_t>(packs.size()); ++t) {
+    const PackTask &pk = packs[t];
+    if (!pk.second)
+      pack_panel(a.w1.as<int8_t>() + pk.e * h * f, h, f, pk.p * kNR, b1 ? b1 + pk.e * f : nullptr,
+                 w1.panel(pk.e, pk.p), w1.bias.data() + pk.e * f + pk.p * kNR);
+    else
+      pack_panel(a.w2.as<int8_t>() + pk.e * f * h, f, h, pk.p * kNR, b2 ? b2 + pk.e * h : nullptr,
+                 w2.panel(pk.e, pk.p), w2.bias.data() + pk.e * h + pk.p * kNR);
+  }
+
+  // h = (x @ w1 + b1) * dq1; q = int8(rint(act(h) * scale + offset)), stored as q + 128
+  const float *scale = a.scale.as<float>();
+  const float *offset = a.offset.present() ? a.offset.as<float>() : nullptr;
+  gemm(xu.get(), hp, offsets, w1, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
+                                      const int32_t (*acc)[kNR]) {
+    const float s = scale[ex], o = offset ? offset[ex] : 0.f;
+    for (int r = 0; r < rows; ++r)
+      requantise(acc[r], w1.bias.data() + ex * f + c0, dq1.data() + ex * f + c0, cols, act, s, o,
+                 qu.get() + (i + r) * fp + c0);
+  });
+
+  // y = (q @ w2 + b2) * dq2
+  T *y = a.y.as<T>();
+  gemm(qu.get(), fp, offsets, w2, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
+                                      const int32_t (*acc)[kNR]) {
+    const int32_t *bias = w2.bias.data() + ex * h + c0;
+    const float *d2 = dq2.data() + ex * h + c0;
+    for (int r = 0; r < rows; ++r) {
+      T *dst = y + (i + r) * h + c0;
+      for (int j = 0; j < cols; ++j) {
+        const int32_t sum = static_cast<int32_t>(static_cast<uint32_t>(acc[r][j]) +
+                                                 static_cast<uint32_t>(bias[j]));
+        dst[j] = from_f32<T>(static_cast<float>(sum) * d2[j]);
+      }
+    }
+  });
   return 0;
 }
 
