@@ -1,5 +1,9 @@
 """moe_ffn int8 path (SPEC §4 quant path) against the exact-integer golden model, and the
 post-training quantisation of a MoeFFN Cell (quantize_moe_ffn / QuantMoeFFN)."""
+import os
+import subprocess
+import sys
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -200,10 +204,32 @@ def test_many_rows_and_tile_tails():
                     "fastgelu")
 
 
-def test_deterministic():
-    v = _case(counts=(100, 50), h=40, f=90)
-    a = _as_f32(_call(v))
-    np.testing.assert_array_equal(a, _as_f32(_call(v)))
+_THREADS_SCRIPT = """
+import sys
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor
+ms.set_context(device_target="CPU")
+sys.path.insert(0, {tests!r})
+import test_ffn_int8 as t
+v = t._case(counts=(300, 0, 212), h=256, f=520)  # above the kernel's one-thread threshold
+y = t._call(v, output_dtype="float32").asnumpy()
+np.save({out!r}, y)
+"""
+
+
+def _run_with_threads(threads, out):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    code = _THREADS_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+    return np.load(out)
+
+
+def test_same_bits_whatever_the_thread_count(tmp_path):
+    one = _run_with_threads(1, str(tmp_path / "one.npy"))
+    two = _run_with_threads(2, str(tmp_path / "two.npy"))
+    np.testing.assert_array_equal(one, two)
+    assert np.abs(one).max() > 0
 
 
 @pytest.mark.parametrize("tokens, flag", [([5, 0, 9, 5], False), ([5, 0, 9, 3], False),
