@@ -82,7 +82,12 @@ int check_numel(const char *op, const char *name, const Arg &a, int64_t want) {
   return 0;
 }
 
-// -- float32 row pieces (f16/bf16 rows go through them block by block) ------------------------
+// -- float32 blocks ----------------------------------------------------------------------------
+// The maths runs on float32 blocks of at most kBlock elements. float16/bfloat16 blocks are
+// converted in separate tight loops (faster than converting inside the maths loop, and GCC 12
+// does not vectorise _Float16 conversions at all: F16C instructions do those).
+
+constexpr int64_t kBlock = 512;  // 2 KiB of float32 per stream: stays in L1
 
 template <bool kClamp>
 void swiglu_block(const float *x0, const float *x1, int64_t n, float c, float w, float *y,
@@ -130,10 +135,7 @@ float swiglu_grad_block(const float *grad_y, const float *x0, const float *x1,
   return gw;
 }
 
-// -- float16/bfloat16 <-> float32 for one block (vector instructions; GCC 12 does not vectorise
-// _Float16 conversions by itself) ---------------------------------------------------------------
-
-constexpr int64_t kBlock = 512;  // 2 KiB of float32 per stream: stays in L1
+// -- float16/bfloat16 <-> float32 ---------------------------------------------------------------
 
 template <typename T>
 inline void load(const T *src, float *dst, int64_t n) {
@@ -190,9 +192,11 @@ inline void stream_fence() {
 #endif
 }
 
-// A block of inputs as float32: the tensor itself for float32, else converted into buf.
+// -- rows ---------------------------------------------------------------------------------------
+
+// An input block as float32: the tensor itself, or converted into buf.
 template <typename T>
-inline const float *as_f32(const T *src, float *buf, int64_t n) {
+inline const float *input(const T *src, float *buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
@@ -201,29 +205,38 @@ inline const float *as_f32(const T *src, float *buf, int64_t n) {
   }
 }
 
-// Writes a float32 block to dst in T, through the cache or around it.
+// Where a block's output is computed: straight into a float32 tensor that is not streamed, else
+// into buf (then written by output()).
 template <typename T>
-inline void put(const float *src, T *dst, int64_t n, bool stream) {
-  if (!stream) return store(src, dst, n);
+inline float *target(T *dst, float *buf, bool stream) {
   if constexpr (std::is_same_v<T, float>) {
-    stream_copy(dst, src, n * 4);
-  } else {
+    if (!stream) return dst;
+  }
+  return buf;
+}
+
+template <typename T>
+inline void output(const float *src, T *dst, int64_t n, bool stream) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (stream) stream_copy(dst, src, n * static_cast<int64_t>(sizeof(T)));
+  } else if (stream) {
     T tmp[kBlock];
     store(src, tmp, n);
     stream_copy(dst, tmp, n * static_cast<int64_t>(sizeof(T)));
+  } else {
+    store(src, dst, n);
   }
 }
-
-// -- rows, block by block (float32 blocks of at most kBlock stay in L1) -----------------------
 
 template <typename T, bool kClamp>
 void swiglu_row(const T *x, int64_t h, float c, float w, T *y, T *y_origin, bool stream) {
   float a[kBlock], b[kBlock], fy[kBlock], fyo[kBlock];
   for (int64_t j = 0; j < h; j += kBlock) {
     const int64_t n = std::min(kBlock, h - j);
-    swiglu_block<kClamp>(as_f32(x + j, a, n), as_f32(x + h + j, b, n), n, c, w, fy, fyo);
-    put(fy, y + j, n, stream);
-    put(fyo, y_origin + j, n, stream);
+    float *ty = target(y + j, fy, stream), *tyo = target(y_origin + j, fyo, stream);
+    swiglu_block<kClamp>(input(x + j, a, n), input(x + h + j, b, n), n, c, w, ty, tyo);
+    if (ty == fy) output(fy, y + j, n, stream);
+    if (tyo == fyo) output(fyo, y_origin + j, n, stream);
   }
   if (stream) stream_fence();
 }
@@ -235,11 +248,12 @@ float swiglu_grad_row(const T *grad_y, const T *x, const T *y_origin, int64_t h,
   float gw = 0.f;
   for (int64_t j = 0; j < h; j += kBlock) {
     const int64_t n = std::min(kBlock, h - j);
-    const float *yo_f = kWeight ? as_f32(y_origin + j, yo, n) : nullptr;
-    gw += swiglu_grad_block<kClamp, kWeight>(as_f32(grad_y + j, g, n), as_f32(x + j, a, n),
-                                             as_f32(x + h + j, b, n), yo_f, n, c, w, da, db);
-    put(da, gx + j, n, stream);
-    put(db, gx + h + j, n, stream);
+    const float *yo_f = kWeight ? input(y_origin + j, yo, n) : nullptr;
+    float *tda = target(gx + j, da, stream), *tdb = target(gx + h + j, db, stream);
+    gw += swiglu_grad_block<kClamp, kWeight>(input(grad_y + j, g, n), input(x + j, a, n),
+                                             input(x + h + j, b, n), yo_f, n, c, w, tda, tdb);
+    if (tda == da) output(da, gx + j, n, stream);
+    if (tdb == db) output(db, gx + h + j, n, stream);
   }
   if (stream) stream_fence();
   return gw;
