@@ -197,11 +197,13 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         quant path's gradient raises RuntimeError.
 
     Ascend: aclnnMoeFFN, arguments in its prototype's order. Its expertTokens is a host
-    aclIntArray, while this operator takes a device tensor (so GRAPH mode does not recompile
-    when the counts change): MindSpore's aclnn launcher has to read the tensor back to the host
-    to build the array (a device-to-host copy per call). aclnnMoeFFN only knows fastgelu and
-    counts; aclnnFFNV3 (CANN 8.0) takes expertTokens as an aclTensor and has tokensIndexFlag,
-    the binding to move to where it is available (different argument order).
+    aclIntArray, while this operator takes a tensor (so GRAPH mode does not recompile when the
+    counts change): the launch has to copy the counts to the host to build the array (a
+    device-to-host copy and a stream sync per call; not checked on a device). aclnnMoeFFN
+    knows only fastgelu and counts (no tokens_index_flag). aclnnFFNV3 (CANN 8.0 API reference)
+    takes expertTokens as an aclTensor and has tokensIndexFlag: the binding to move to where it
+    is available (argument order x, weight1, weight2, expertTokens, bias1, bias2, scale, offset,
+    deqScale1, deqScale2, antiquant..., activation, innerPrecise, tokensIndexFlag).
     """
     return MOE_FFN(x, expert_tokens, weight1, bias1, weight2, bias2, scale, offset, deq_scale1,
                    deq_scale2, activation=activation, tokens_index_flag=tokens_index_flag,
