@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
 
 #include "ffn.h"
 
@@ -54,10 +53,41 @@ std::vector<float> deq_scales(const Arg &d) {
 // bias - 128 * colsum(B) (the correction for feeding x + 128), bias may be null.
 void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t *bias,
                 int8_t *dst, int32_t *bias_out) {
-  int32_t sum[kNR] = {};
-  for (int64_t q = 0; q < (k + 3) / 4; ++q, dst += kNR * 4) {
-    if (c0 + kNR <= n && q * 4 + 4 <= k) {
-      // interior: branch-free, so the compiler turns it into byte shuffles
+  alignas(64) int32_t sum[kNR] = {};
+  int64_t q = 0;
+  if (c0 + kNR <= n) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    // interior: a 4 x 64 byte transpose per step; column sums by vpdpbusd with ones
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+    for (; q * 4 + 4 <= k; ++q, dst += kNR * 4) {
+      const int8_t *r = b + q * 4 * n + c0;
+      const __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + n);
+      const __m512i r2 = _mm512_loadu_si512(r + 2 * n), r3 = _mm512_loadu_si512(r + 3 * n);
+      const __m512i t0 = _mm512_unpacklo_epi8(r0, r1), t1 = _mm512_unpackhi_epi8(r0, r1);
+      const __m512i t2 = _mm512_unpacklo_epi8(r2, r3), t3 = _mm512_unpackhi_epi8(r2, r3);
+      // u_j, 128-bit lane l: columns 16 l + 4 j .. + 3, each as 4 consecutive k
+      const __m512i u0 = _mm512_unpacklo_epi16(t0, t2), u1 = _mm512_unpackhi_epi16(t0, t2);
+      const __m512i u2 = _mm512_unpacklo_epi16(t1, t3), u3 = _mm512_unpackhi_epi16(t1, t3);
+      const __m512i v0 = _mm512_shuffle_i32x4(u0, u1, 0x44), v1 = _mm512_shuffle_i32x4(u0, u1, 0xEE);
+      const __m512i v2 = _mm512_shuffle_i32x4(u2, u3, 0x44), v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
+      const __m512i o0 = _mm512_shuffle_i32x4(v0, v2, 0x88), o1 = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+      const __m512i o2 = _mm512_shuffle_i32x4(v1, v3, 0x88), o3 = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+      _mm512_storeu_si512(dst, o0);
+      _mm512_storeu_si512(dst + 64, o1);
+      _mm512_storeu_si512(dst + 128, o2);
+      _mm512_storeu_si512(dst + 192, o3);
+      s0 = _mm512_dpbusd_epi32(s0, ones, o0);
+      s1 = _mm512_dpbusd_epi32(s1, ones, o1);
+      s2 = _mm512_dpbusd_epi32(s2, ones, o2);
+      s3 = _mm512_dpbusd_epi32(s3, ones, o3);
+    }
+    _mm512_store_si512(sum, s0);
+    _mm512_store_si512(sum + 16, s1);
+    _mm512_store_si512(sum + 32, s2);
+    _mm512_store_si512(sum + 48, s3);
+#else
+    for (; q * 4 + 4 <= k; ++q, dst += kNR * 4) {
       const int8_t *r0 = b + q * 4 * n + c0, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
       for (int j = 0; j < kNR; ++j) {
         dst[j * 4] = r0[j];
@@ -66,8 +96,11 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
         dst[j * 4 + 3] = r3[j];
         sum[j] += r0[j] + r1[j] + r2[j] + r3[j];
       }
-      continue;
     }
+#endif
+  }
+  // the last columns or rows, zero-padded
+  for (; q < (k + 3) / 4; ++q, dst += kNR * 4)
     for (int64_t j = 0; j < kNR; ++j)
       for (int64_t t = 0; t < 4; ++t) {
         const int64_t row = q * 4 + t, col = c0 + j;
@@ -75,23 +108,38 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
         dst[j * 4 + t] = v;
         sum[j] += v;
       }
-  }
   for (int64_t j = 0; j < kNR && c0 + j < n; ++j)
     bias_out[j] = static_cast<int32_t>((bias ? static_cast<uint32_t>(bias[c0 + j]) : 0u) -
                                        128u * static_cast<uint32_t>(sum[j]));
+}
+
+// Scratch memory kept between calls, one set per calling thread: fresh buffers the size of the
+// weights would page-fault on every call, which costs more than packing them.
+enum Slot { kXSlot, kQSlot, kW1Slot, kW2Slot, kSlots };
+
+template <typename T>
+T *scratch(Slot slot, int64_t n) {
+  thread_local std::vector<uint8_t> buffers[kSlots];
+  std::vector<uint8_t> &b = buffers[slot];
+  if (b.size() < static_cast<size_t>(n) * sizeof(T)) {
+    b = std::vector<uint8_t>();
+    b.resize(static_cast<size_t>(n) * sizeof(T));
+  }
+  return reinterpret_cast<T *>(b.data());
 }
 
 // B [E, K, N] of every expert packed by pack_panel: expert e's panel p at panel(e, p); bias[e]
 // (N entries) holds the corrected bias.
 struct PackedWeights {
   int64_t k, n, k4, panels;
-  std::unique_ptr<int8_t[]> data;  // written only for the experts that have rows
+  int8_t *data;  // written only for the experts that have rows
   std::vector<int32_t> bias;
 
-  PackedWeights(int64_t e, int64_t k_, int64_t n_)
+  PackedWeights(Slot slot, int64_t e, int64_t k_, int64_t n_)
       : k(k_), n(n_), k4((k_ + 3) / 4), panels((n_ + kNR - 1) / kNR),
-        data(new int8_t[e * panels * k4 * kNR * 4]), bias(e * n_) {}
-  int8_t *panel(int64_t e, int64_t p) const { return data.get() + (e * panels + p) * k4 * kNR * 4; }
+        data(scratch<int8_t>(slot, e * panels * k4 * kNR * 4)), bias(e * n_) {}
+  const int8_t *panel(int64_t e, int64_t p) const { return data + (e * panels + p) * k4 * kNR * 4; }
+  int8_t *panel(int64_t e, int64_t p) { return data + (e * panels + p) * k4 * kNR * 4; }
 };
 
 // acc[r][j] = sum_k a_r[k] * B[k, panel column j] for kMR rows (unsigned a, K padded to 4).
@@ -300,17 +348,17 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
 
   // x + 128 as unsigned bytes; the rows of x and of q are padded to a multiple of 4 with zeros
   // (they meet the zero padding of the packed weights).
-  std::unique_ptr<uint8_t[]> xu(new uint8_t[m * hp]), qu(new uint8_t[m * fp]);
+  uint8_t *xu = scratch<uint8_t>(kXSlot, m * hp), *qu = scratch<uint8_t>(kQSlot, m * fp);
   const int8_t *x = a.x.as<int8_t>();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t k = 0; k < h; ++k) xu[i * hp + k] = static_cast<uint8_t>(x[i * h + k] ^ 0x80);
-    std::fill(xu.get() + i * hp + h, xu.get() + (i + 1) * hp, 0);
-    std::fill(qu.get() + i * fp + f, qu.get() + (i + 1) * fp, 0);
+    std::fill(xu + i * hp + h, xu + (i + 1) * hp, 0);
+    std::fill(qu + i * fp + f, qu + (i + 1) * fp, 0);
   }
 
   // both weights of every expert that has rows
-  PackedWeights w1(e, h, f), w2(e, f, h);
+  PackedWeights w1(kW1Slot, e, h, f), w2(kW2Slot, e, f, h);
   struct PackTask {
     int64_t e, p;
     bool second;
@@ -337,17 +385,17 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
   // h = (x @ w1 + b1) * dq1; q = int8(rint(act(h) * scale + offset)), stored as q + 128
   const float *scale = a.scale.as<float>();
   const float *offset = a.offset.present() ? a.offset.as<float>() : nullptr;
-  gemm(xu.get(), hp, offsets, w1, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
+  gemm(xu, hp, offsets, w1, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
                                       const int32_t (*acc)[kNR]) {
     const float s = scale[ex], o = offset ? offset[ex] : 0.f;
     for (int r = 0; r < rows; ++r)
       requantise(acc[r], w1.bias.data() + ex * f + c0, dq1.data() + ex * f + c0, cols, act, s, o,
-                 qu.get() + (i + r) * fp + c0);
+                 qu + (i + r) * fp + c0);
   });
 
   // y = (q @ w2 + b2) * dq2
   T *y = a.y.as<T>();
-  gemm(qu.get(), fp, offsets, w2, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
+  gemm(qu, fp, offsets, w2, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
                                       const int32_t (*acc)[kNR]) {
     const int32_t *bias = w2.bias.data() + ex * h + c0;
     const float *d2 = dq2.data() + ex * h + c0;
