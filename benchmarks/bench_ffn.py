@@ -24,13 +24,21 @@ ms.set_context(device_target="CPU", mode=ms.GRAPH_MODE)
 
 
 def timed(fn, runs):
-    fn()  # warm-up (and compile)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
+    return timed_together([("", fn)], runs)[0][1]
+
+
+def timed_together(contenders, runs):
+    """[(name, median seconds)]: every contender warmed up (and compiled), then timed in turns,
+    so that a change in the machine's load hits all of them alike."""
+    for _, fn in contenders:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = {name: [] for name, _ in contenders}
+    for _ in range(runs):
+        for name, fn in contenders:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return [(name, statistics.median(times[name])) for name, _ in contenders]
 
 
 def splits(m, e):
@@ -165,14 +173,14 @@ def main():
         print(f"\n[{name} split] tokens per expert: {counts.tolist()}")
         args = (t(x), Tensor(counts), t(w1), t(w2), t(b1), t(b2))
         ours, comp = Ours(), Composed(counts)
-        rows = [("moe_ffn (ours)", timed(lambda: ours(*args).asnumpy(), a.runs))]
+        fns = [("moe_ffn (ours)", lambda: ours(*args).asnumpy())]
         if a.dtype != "bfloat16":  # MindSpore's CPU MatMul has no bfloat16 kernel
-            rows.append(("MindSpore MatMul per expert", timed(lambda: comp(*args).asnumpy(), a.runs)))
+            fns.append(("MindSpore MatMul per expert", lambda: comp(*args).asnumpy()))
         if a.dtype == "float32":
-            rows.append(("numpy per expert (matmul only)",
-                         timed(lambda: np_forward(x, counts, w1, w2, b1, b2, True), a.runs)))
-            rows.append(("numpy per expert (full ffn)",
-                         timed(lambda: np_forward(x, counts, w1, w2, b1, b2), a.runs)))
+            fns.append(("numpy per expert (matmul only)",
+                        lambda: np_forward(x, counts, w1, w2, b1, b2, True)))
+            fns.append(("numpy per expert (full ffn)", lambda: np_forward(x, counts, w1, w2, b1, b2)))
+        rows = timed_together(fns, a.runs)
         report("forward", rows, fwd_flops)
         times = dict(rows)
         if "numpy per expert (matmul only)" in times:
@@ -187,13 +195,12 @@ def main():
             continue
         r_t = Tensor(dy)
         g_ours, g_comp = grad_fn(Loss(Ours(), r_t)), grad_fn(Loss(comp, r_t))
-        rows = [("moe_ffn (ours)", timed(lambda: [g.asnumpy() for g in g_ours(*args)], a.runs))]
+        fns = [("moe_ffn (ours)", lambda: [g.asnumpy() for g in g_ours(*args)])]
         if a.dtype != "bfloat16":
-            rows.append(("MindSpore MatMul per expert",
-                         timed(lambda: [g.asnumpy() for g in g_comp(*args)], a.runs)))
+            fns.append(("MindSpore MatMul per expert", lambda: [g.asnumpy() for g in g_comp(*args)]))
         if a.dtype == "float32":
-            rows.append(("numpy per expert",
-                         timed(lambda: np_forward_backward(x, counts, w1, w2, b1, b2, dy), a.runs)))
+            fns.append(("numpy per expert", lambda: np_forward_backward(x, counts, w1, w2, b1, b2, dy)))
+        rows = timed_together(fns, a.runs)
         report("forward+backward", rows, train_flops)
         times = dict(rows)
         if "MindSpore MatMul per expert" in times:
