@@ -5,6 +5,8 @@
 // The products use vpdpbusd (AVX-512 VNNI), which multiplies UNSIGNED by signed bytes: x is fed
 // as x + 128 (a bit flip) and 128 * colsum(W) is subtracted afterwards, folded into the bias.
 // Integer sums wrap modulo 2^32 like the device's int32 accumulator, so the trick is exact.
+// The weights are repacked on every call (no cache that could go stale) into panels the 6 x 64
+// register tile streams; packing, conversion and the two products are one parallel region each.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -386,7 +388,7 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
   const float *scale = a.scale.as<float>();
   const float *offset = a.offset.present() ? a.offset.as<float>() : nullptr;
   gemm(xu, hp, offsets, w1, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
-                                      const int32_t (*acc)[kNR]) {
+                                const int32_t (*acc)[kNR]) {
     const float s = scale[ex], o = offset ? offset[ex] : 0.f;
     for (int r = 0; r < rows; ++r)
       requantise(acc[r], w1.bias.data() + ex * f + c0, dq1.data() + ex * f + c0, cols, act, s, o,
@@ -396,7 +398,7 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
   // y = (q @ w2 + b2) * dq2
   T *y = a.y.as<T>();
   gemm(qu, fp, offsets, w2, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
-                                      const int32_t (*acc)[kNR]) {
+                                const int32_t (*acc)[kNR]) {
     const int32_t *bias = w2.bias.data() + ex * h + c0;
     const float *d2 = dq2.data() + ex * h + c0;
     for (int r = 0; r < rows; ++r) {
