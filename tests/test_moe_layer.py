@@ -160,8 +160,9 @@ def test_gradients_match_finite_differences(name, mode):
             assert_close(gw[pname], expected, tol=1e-4)
 
 
-def test_bfloat16_gradients_are_close(mode):
-    layer = make_layer(h=4, f=3, shared=1)
+@pytest.mark.parametrize("activation", ["swiglu", "fastgelu"])
+def test_bfloat16_gradients_are_close(activation, mode):
+    layer = make_layer(h=4, f=3, shared=1, activation=activation)
     x = inputs((6, 4), seed=5, dtype="bfloat16")
     cot = np.ones((6, 4))
     gx, gw = layer_grads(layer, x, cot, mode, dtype="bfloat16")
