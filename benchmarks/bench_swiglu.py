@@ -9,7 +9,6 @@ call is listed too. Both directions use every input (per-token weight, group_ind
 the backward also produces the weight's gradient: the heaviest path.
 """
 import argparse
-import time
 
 import numpy as np
 import mindspore as ms
@@ -17,20 +16,10 @@ from mindspore import nn, ops
 
 from ms_moe_ops.ops import swiglu_group_quant_grad
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
+from common import timeit
 
 CLAMP = 7.0
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def median_time(fn, repeat, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def sync(out):
@@ -104,7 +93,7 @@ def copy_time(nbytes, repeat):
     """Time of np.copyto moving nbytes in total (nbytes/2 read + nbytes/2 written)."""
     src = np.ones(nbytes // 2, np.uint8)
     dst = np.zeros_like(src)
-    return median_time(lambda: np.copyto(dst, src), repeat)
+    return timeit(lambda: np.copyto(dst, src), repeat=repeat)
 
 
 def report(name, nbytes, times, copy):
@@ -145,35 +134,35 @@ def main():
         fwd_bytes = t * 2 * h * e + t * 4 + 2 * t * h * e
         ms.set_context(mode=ms.PYNATIVE_MODE)
         ours = lambda: sync(SWIGLU_GROUP(x, w, counts, clamp_limit=CLAMP))
-        pynative = median_time(ours, args.repeat)
+        pynative = timeit(ours, repeat=args.repeat)
         y_origin = ours()[1]
         ms.set_context(mode=ms.GRAPH_MODE)
         cell = OursForward()
-        times = {"ms_moe_ops": median_time(lambda: sync(cell(x, w, counts)), args.repeat),
+        times = {"ms_moe_ops": timeit(lambda: sync(cell(x, w, counts)), repeat=args.repeat),
                  "ms_moe_ops PyNative": pynative}
         composed = ComposedForward()
-        times["MindSpore composed"] = median_time(lambda: sync(composed(x, w, counts)), args.repeat)
+        times["MindSpore composed"] = timeit(lambda: sync(composed(x, w, counts)), repeat=args.repeat)
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if dtype == "float32":
-            times["numpy"] = median_time(lambda: numpy_forward(x_np, w_np), args.repeat)
+            times["numpy"] = timeit(lambda: numpy_forward(x_np, w_np), repeat=args.repeat)
         report("forward", fwd_bytes, times, copy_time(fwd_bytes, args.repeat))
 
         # backward: reads grad_y, x, weight, y_origin; writes grad_x and grad_weight
         bwd_bytes = t * h * e + t * 2 * h * e + t * 4 + t * h * e + t * 2 * h * e + t * 4
         ours = lambda: sync(swiglu_group_quant_grad(gy, x, w, y_origin, counts, clamp_limit=CLAMP))
-        pynative = median_time(ours, args.repeat)
+        pynative = timeit(ours, repeat=args.repeat)
         ms.set_context(mode=ms.GRAPH_MODE)
         cell = OursBackward()
-        times = {"ms_moe_ops": median_time(lambda: sync(cell(gy, x, w, y_origin, counts)),
+        times = {"ms_moe_ops": timeit(lambda: sync(cell(gy, x, w, y_origin, counts)),
                                            args.repeat),
                  "ms_moe_ops PyNative": pynative}
         composed = ComposedBackward()
-        times["MindSpore composed"] = median_time(
+        times["MindSpore composed"] = timeit(
             lambda: sync(composed(gy, x, w, y_origin, counts)), args.repeat)
         ms.set_context(mode=ms.PYNATIVE_MODE)
         if dtype == "float32":
             yo_np = y_origin.asnumpy()
-            times["numpy"] = median_time(lambda: numpy_backward(gy_np, x_np, w_np, yo_np),
+            times["numpy"] = timeit(lambda: numpy_backward(gy_np, x_np, w_np, yo_np),
                                          args.repeat)
         report("backward", bwd_bytes, times, copy_time(bwd_bytes, args.repeat))
 

@@ -14,32 +14,12 @@
 namespace moe {
 namespace {
 
-// e^x for x <= 0 without libm, so the loops that call it vectorise (glibc's vector expf needs
-// -ffast-math). Cephes polynomial, ~1 ulp; x < -87 is clamped (the true value is < 1.7e-38).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln2)
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
 // sigma(a) and 1 - sigma(a), both from e^-|a| so neither overflows nor cancels.
 struct Sigmoid {
   float s, one_minus_s;
 };
 inline Sigmoid sigmoid_pair(float a) {
-  const float e = exp_nonpositive(-std::fabs(a));
+  const float e = exp_approx(-std::fabs(a));
   const float big = 1.f / (1.f + e), small = e * big;
   return a >= 0.f ? Sigmoid{big, small} : Sigmoid{small, big};
 }

@@ -6,7 +6,6 @@ import re
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import ops
 
 import ms_moe_ops.reference as ref
 from ms_moe_ops.ops import swiglu_group, swiglu_group_quant_grad
