@@ -2,10 +2,6 @@
 // swiglu_group_quant_grad (the seed's SwigluGroupQuantGrad). Both are memory bound: one pass over
 // every tensor, rows in parallel, branch-free float32 inner loops the compiler vectorises over
 // L1-sized blocks (float16/bfloat16 converted block by block), large outputs streamed.
-#if defined(__AVX__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <type_traits>
 
@@ -117,32 +113,6 @@ float swiglu_grad_block(const float *grad_y, const float *x0, const float *x1,
 
 // -- float16/bfloat16 <-> float32 ---------------------------------------------------------------
 
-template <typename T>
-inline void load(const T *src, float *dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = to_f32(src[j]);
-}
-template <typename T>
-inline void store(const float *src, T *dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = from_f32<T>(src[j]);
-}
-#if defined(__F16C__)
-template <>
-inline void load<f16>(const f16 *src, float *dst, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + j))));
-  for (; j < n; ++j) dst[j] = to_f32(src[j]);
-}
-template <>
-inline void store<f16>(const float *src, f16 *dst, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm_storeu_si128((__m128i *)(dst + j),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
-  for (; j < n; ++j) dst[j] = from_f32<f16>(src[j]);
-}
-#endif
-
 // -- cache-bypassing stores ----------------------------------------------------------------------
 
 // Outputs at least this large are written with non-temporal stores: they do not fit in the cache
@@ -180,7 +150,7 @@ inline const float *input(const T *src, float *buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
-    load(src, buf, n);
+    load_f32(src, buf, n);
     return buf;
   }
 }
@@ -201,10 +171,10 @@ inline void output(const float *src, T *dst, int64_t n, bool stream) {
     if (stream) stream_copy(dst, src, n * static_cast<int64_t>(sizeof(T)));
   } else if (stream) {
     T tmp[kBlock];
-    store(src, tmp, n);
+    store_f32(src, tmp, n);
     stream_copy(dst, tmp, n * static_cast<int64_t>(sizeof(T)));
   } else {
-    store(src, dst, n);
+    store_f32(src, dst, n);
   }
 }
 
