@@ -4,6 +4,7 @@
 
 #include <cblas.h>
 
+#include <algorithm>
 #include <climits>
 #include <type_traits>
 #include <vector>
@@ -46,8 +47,9 @@ const float *as_f32(const T *src, int64_t count, std::vector<float> &buf) {
   } else {
     if ((int64_t)buf.size() < count) buf.resize(count);
     float *dst = buf.data();
+    constexpr int64_t kChunk = 4096;
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < count; ++i) dst[i] = to_f32(src[i]);
+    for (int64_t i = 0; i < count; i += kChunk) load_f32(src + i, dst + i, std::min(kChunk, count - i));
     return dst;
   }
 }
