@@ -4,7 +4,7 @@ A character-level decoder-only transformer (causal self-attention + MoELayer fee
 with a shared expert) learns the Python documentation text that ships with Python itself
 (`pydoc_data.topics`), in GRAPH mode, with DeepSeek-V3's auxiliary-loss-free load balancing.
 
-    python examples/train_moe.py                      # ~5 minutes on 2 CPU cores
+    python examples/train_moe.py                      # ~4 minutes on 2 idle CPU cores
     python examples/train_moe.py --steps 50 --experts 16 --top-k 4 --out runs/e16
 
 Writes to --out: the checkpoint (moe_lm.ckpt), loss.png (train/val loss), expert_load.png
