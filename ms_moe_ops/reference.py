@@ -99,20 +99,8 @@ def moe_gating_top_k_softmax_backward(x_norm, grad_y, expert_idx, renorm=0,
 
 def _moe_activation(name, h, clamp_limit=0.0):
     if name == "swiglu":
-        gate, up = np.split(h, 2, axis=-1)
-        if clamp_limit > 0:
-            gate = np.minimum(gate, clamp_limit)
-            up = np.clip(up, -clamp_limit, clamp_limit)
-        return gate * _sigmoid(gate) * up
-    if name == "fastgelu":
-        return h * _sigmoid(1.702 * h)
-    if name == "gelu":
-        return h * _sigmoid(1.59576912 * (h + 0.044715 * h ** 3))
-    if name == "relu":
-        return np.maximum(h, 0.0)
-    if name == "silu":
-        return h * _sigmoid(h)
-    raise ValueError(f"unknown activation {name!r}")
+        return swiglu_group(h, clamp_limit=clamp_limit)
+    return ffn_activation(name, h)
 
 
 def moe_layer(x, router_weight, weight1, weight2, top_k, expert_bias=None, n_group=1,
@@ -176,15 +164,7 @@ def _deq_scale_values(deq_scale):
 
 def _quant_activation(name, h):
     """Activation of float32 h, computed in float64 and rounded to float32 like the kernel."""
-    h = h.astype(np.float64)
-    sig = _sigmoid
-    out = {"fastgelu": lambda: h * sig(1.702 * h),
-           "gelu": lambda: h * sig(1.59576912 * (h + 0.044715 * h ** 3)),
-           "relu": lambda: np.maximum(h, 0.0),
-           "silu": lambda: h * sig(h)}
-    if name not in out:
-        raise ValueError(f"unknown activation {name!r}")
-    return out[name]().astype(np.float32)
+    return ffn_activation(name, h.astype(np.float64)).astype(np.float32)
 
 
 def round_to_dtype(y, dtype):
