@@ -79,15 +79,14 @@ class MoeFFN(nn.Cell):
             if row_weight is not None:
                 y = (y.astype(ms.float32) * row_weight).astype(dtype)
             return y
-        h = moe_ops.grouped_matmul(x, w1, expert_tokens)
-        if self.has_bias:
-            rows = self._row_experts(expert_tokens, x.shape[0])
-            h = (h.astype(ms.float32) + ops.gather(self.bias1, rows, 0)).astype(dtype)
+        b1 = None if self.bias1 is None else self.bias1.astype(dtype)
+        h = moe_ops.grouped_matmul(x, w1, expert_tokens, b1)
         a = moe_ops.swiglu_group(h, row_weight, expert_tokens, clamp_limit=self.clamp_limit)
         y = moe_ops.grouped_matmul(a, w2, expert_tokens)
         if self.has_bias:
-            # bias2 is part of the expert, so the routing weight scales it too
-            b2 = ops.gather(self.bias2, rows, 0)
+            # bias2 is part of the expert, so the routing weight (applied inside swiglu_group)
+            # must scale it too: added per row rather than by the grouped matmul
+            b2 = ops.gather(self.bias2, self._row_experts(expert_tokens, x.shape[0]), 0)
             if row_weight is not None:
                 b2 = b2 * row_weight
             y = (y.astype(ms.float32) + b2).astype(dtype)
