@@ -7,8 +7,6 @@ quantisation keeps at that size.
 GOP/s count the nominal products (4*M*H*F, int8 or float operations alike).
 """
 import argparse
-import statistics
-import time
 
 import mindspore as ms
 import numpy as np
@@ -16,18 +14,9 @@ from mindspore import Tensor, nn
 
 from ms_moe_ops import moe_ffn
 from ms_moe_ops.nn import MoeFFN, quantize_moe_ffn
+from common import timeit
 
 ms.set_context(device_target="CPU", mode=ms.GRAPH_MODE)
-
-
-def timed(fn, runs):
-    fn()  # warm-up (and compile)
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 class Int8FFN(nn.Cell):
@@ -70,10 +59,13 @@ def main():
     int8_op = Int8FFN()
     w1, w2 = cell.weight1.asnumpy(), cell.weight2.asnumpy()
 
-    rows = [("moe_ffn int8 (x already int8)", timed(lambda: int8_op(*int8_args).asnumpy(), a.runs)),
-            ("QuantMoeFFN (float x, quantised)", timed(lambda: quant(x_t, tokens).asnumpy(), a.runs)),
-            ("moe_ffn float32 (MoeFFN Cell)", timed(lambda: cell(x_t, tokens).asnumpy(), a.runs)),
-            ("numpy float32 matmuls only", timed(lambda: numpy_matmuls(x, counts, w1, w2), a.runs))]
+    def timed(fn):
+        return timeit(fn, repeat=a.runs, warmup=1)
+
+    rows = [("moe_ffn int8 (x already int8)", timed(lambda: int8_op(*int8_args).asnumpy())),
+            ("QuantMoeFFN (float x, quantised)", timed(lambda: quant(x_t, tokens).asnumpy())),
+            ("moe_ffn float32 (MoeFFN Cell)", timed(lambda: cell(x_t, tokens).asnumpy())),
+            ("numpy float32 matmuls only", timed(lambda: numpy_matmuls(x, counts, w1, w2)))]
     ops_ = 4 * m * h * f
     print(f"MoeFFN int8 vs float32  M={m} H={h} F={f} E={e} fastgelu, even split "
           f"(median of {a.runs}; GOP/s nominal)")
