@@ -65,34 +65,31 @@ def _renorm_grad(w, g, renorm, eps):
     return (g - beta) / d
 
 
-def moe_gating_top_k_backward(x_norm, grad_y, expert_idx, renorm=0, norm_type=1,
-                              routed_scaling_factor=1.0, eps=1e-20):
-    """Sigmoid router backward (SPEC §2): -> grad_x [M, N] float64. Duplicates are summed."""
+def _router_backward(x_norm, grad_y, expert_idx, renorm, scale, eps, softmax):
     x_norm = np.asarray(x_norm, np.float64)
     grad_y = np.asarray(grad_y, np.float64)
     grad_x = np.zeros_like(x_norm)
     for i in range(x_norm.shape[0]):
         idx = expert_idx[i]
-        gw = _renorm_grad(x_norm[i, idx], routed_scaling_factor * grad_y[i], True, eps)
+        gw = _renorm_grad(x_norm[i, idx], scale * grad_y[i], renorm, eps)
         gn = np.zeros(x_norm.shape[1])
-        np.add.at(gn, idx, gw)
-        grad_x[i] = x_norm[i] * (1 - x_norm[i]) * gn
+        np.add.at(gn, idx, gw)  # an expert chosen twice gets both gradients
+        xn = x_norm[i]
+        grad_x[i] = xn * (gn - (xn * gn).sum()) if softmax else xn * (1 - xn) * gn
     return grad_x
+
+
+def moe_gating_top_k_backward(x_norm, grad_y, expert_idx, renorm=0, norm_type=1,
+                              routed_scaling_factor=1.0, eps=1e-20):
+    """Sigmoid router backward (SPEC §2): -> grad_x [M, N] float64. Duplicates are summed."""
+    return _router_backward(x_norm, grad_y, expert_idx, True, routed_scaling_factor, eps, False)
 
 
 def moe_gating_top_k_softmax_backward(x_norm, grad_y, expert_idx, renorm=0,
                                       routed_scaling_factor=1.0, eps=1e-20):
     """Softmax router backward: -> grad_x [M, N] float64."""
-    x_norm = np.asarray(x_norm, np.float64)
-    grad_y = np.asarray(grad_y, np.float64)
-    grad_x = np.zeros_like(x_norm)
-    for i in range(x_norm.shape[0]):
-        idx = expert_idx[i]
-        gw = _renorm_grad(x_norm[i, idx], routed_scaling_factor * grad_y[i], renorm == 1, eps)
-        gn = np.zeros(x_norm.shape[1])
-        np.add.at(gn, idx, gw)
-        grad_x[i] = x_norm[i] * (gn - (x_norm[i] * gn).sum())
-    return grad_x
+    return _router_backward(x_norm, grad_y, expert_idx, renorm == 1, routed_scaling_factor, eps,
+                            True)
 
 
 # -- MoE layer (router -> experts -> weighted sum + shared experts) -------------------------------
