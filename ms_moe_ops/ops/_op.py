@@ -9,7 +9,7 @@ current device target and applies it; nothing else in the package repeats a sign
 import functools
 import glob
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import mindspore as ms
@@ -63,7 +63,6 @@ class OpDef:
     aclnn: Optional[str] = None
     aclnn_args: Tuple[str, ...] = ()
     ascend: Optional[Callable] = None
-    doc: str = field(default="", compare=False)
 
     # -- attributes -------------------------------------------------------------------------
     def resolve(self, **kwargs):
@@ -94,7 +93,8 @@ class OpDef:
 @functools.lru_cache(None, typed=True)  # typed: k=2.0 must not hit the entry of k=2
 def _bind(op, **kwargs):
     """(primitive, trailing scalar arguments) for a call. Cached, and being no plain function
-    MindSpore's graph compiler evaluates it in Python while it builds the graph."""
+    MindSpore's graph compiler evaluates it in Python while it builds the graph. The device
+    target is read on the first call with these attributes (MindSpore fixes it per process)."""
     attrs = op.resolve(**kwargs)
     target = _device_target()
     scalars = tuple(attrs[a] for a in op.aclnn_args[len(op.inputs):]) if (
