@@ -1,10 +1,48 @@
-"""Shared test helpers: execution modes, dtype conversion, tolerances, finite differences."""
+"""Shared test helpers: device, per-test seeds, execution modes, dtype conversion, tolerances,
+finite differences.
+
+The device comes from MS_MOE_OPS_DEVICE (default CPU), so the suite runs unchanged on an Ascend
+machine: `MS_MOE_OPS_DEVICE=Ascend pytest`.
+"""
+import os
+import zlib
+
 import numpy as np
 import mindspore as ms
 import pytest
 from mindspore import Tensor, nn
 
-ms.set_context(device_target="CPU")
+DEVICE = os.environ.get("MS_MOE_OPS_DEVICE", "CPU")
+ms.set_device(DEVICE)
+ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+def seed_of(nodeid):
+    """A stable seed of its own for every test (from its id, so order and selection do not
+    change the data a test sees)."""
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture(autouse=True)
+def _isolated(request):
+    """Every test starts from the same global state: seeds set from its own id, PyNative mode."""
+    seed = seed_of(request.node.nodeid)
+    ms.set_seed(seed % (2 ** 31))
+    np.random.seed(seed)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    yield
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+@pytest.fixture
+def rng(request):
+    """numpy Generator seeded from the test's id: the test's own reproducible data."""
+    return np.random.default_rng(seed_of(request.node.nodeid))
+
+
+def cpu_only(reason):
+    """Skip marker for tests that only make sense on the CPU backend (says why)."""
+    return pytest.mark.skipif(DEVICE != "CPU", reason=f"CPU only: {reason}")
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
 # Max abs error against the float64 golden model, relative to the output's scale.
