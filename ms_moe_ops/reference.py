@@ -103,14 +103,15 @@ def _moe_activation(name, h, clamp_limit=0.0):
 def moe_layer(x, router_weight, weight1, weight2, top_k, expert_bias=None, n_group=1,
               topk_group=1, group_select_mode=1, routed_scaling_factor=1.0, score_func="sigmoid",
               activation="swiglu", clamp_limit=0.0, bias1=None, bias2=None, shared_weight1=None,
-              shared_weight2=None, expert_idx=None):
+              shared_weight2=None, expert_idx=None, norm_topk_prob=True, shared_gate=None):
     """MoELayer forward: -> (out, shape of x, float64; expert_idx [T, top_k] int32).
 
     out[t] = sum_k w[t,k] * (act(x[t] @ weight1[e] + bias1[e]) @ weight2[e] + bias2[e]) +
-    shared(x[t]), e = idx[t,k], with (w, idx) from moe_gating_top_k of x @ router_weight.T
-    (weights renormalised, times routed_scaling_factor). shared is a SwiGLU MLP with
-    shared_weight1 [H, 2Fs] (gate | up) and shared_weight2 [Fs, H]. Passing expert_idx fixes the
-    routing (for finite differences that must not flip a choice).
+    g[t] * shared(x[t]), e = idx[t,k], with (w, idx) from moe_gating_top_k of x @ router_weight.T
+    (weights renormalised when norm_topk_prob, times routed_scaling_factor). shared is a SwiGLU
+    MLP with shared_weight1 [H, 2Fs] (gate | up) and shared_weight2 [Fs, H]; g[t] is 1, or
+    sigmoid(x[t] . shared_gate) with shared_gate [H]. Passing expert_idx fixes the routing (for
+    finite differences that must not flip a choice).
     """
     x = np.asarray(x, np.float64)
     shape = x.shape
@@ -125,7 +126,9 @@ def moe_layer(x, router_weight, weight1, weight2, top_k, expert_bias=None, n_gro
     expert_idx = np.asarray(expert_idx, np.int32)
     scores = _sigmoid(logits) if norm_type == 1 else _softmax(logits)
     w = np.take_along_axis(scores, expert_idx.astype(np.int64), axis=1)
-    w = w / (w.sum(axis=1, keepdims=True) + 1e-20) * routed_scaling_factor
+    if norm_topk_prob:
+        w = w / (w.sum(axis=1, keepdims=True) + 1e-20)
+    w = w * routed_scaling_factor
     weight1 = np.asarray(weight1, np.float64)
     weight2 = np.asarray(weight2, np.float64)
     out = np.zeros_like(x)
@@ -138,8 +141,54 @@ def moe_layer(x, router_weight, weight1, weight2, top_k, expert_bias=None, n_gro
             out[t] += w[t, k] * y
     if shared_weight1 is not None:
         h = x @ np.asarray(shared_weight1, np.float64)
-        out += _moe_activation("swiglu", h) @ np.asarray(shared_weight2, np.float64)
+        shared = _moe_activation("swiglu", h) @ np.asarray(shared_weight2, np.float64)
+        if shared_gate is not None:
+            shared = shared * _sigmoid(x @ np.asarray(shared_gate, np.float64))[:, None]
+        out += shared
     return out.reshape(shape), expert_idx
+
+
+# -- router training losses (nn/losses.py) -------------------------------------------------------
+
+def balance_probs(logits, score_func="softmax"):
+    """p [T, E] float64: softmax of the logits, or sigmoid scores normalised per token."""
+    logits = np.asarray(logits, np.float64)
+    if score_func == "softmax":
+        return _softmax(logits)
+    s = _sigmoid(logits)
+    return s / (s.sum(axis=-1, keepdims=True) + 1e-20)
+
+
+def switch_aux_loss(logits, expert_idx, score_func="softmax"):
+    """E * sum_e (count_e / T) * mean_t p_te, count_e = picks of expert e in expert_idx [T, K]."""
+    p = balance_probs(logits, score_func)
+    t, e = p.shape
+    counts = np.bincount(np.asarray(expert_idx).reshape(-1), minlength=e)
+    return float(e * (counts / t * p.mean(axis=0)).sum())
+
+
+def sequence_aux_loss(logits, expert_idx, num_sequences, score_func="sigmoid"):
+    """DeepSeek-V3's sequence-wise balance loss, the mean over the num_sequences consecutive
+    sequences of sum_e f_e P_e, f_e = E / (K S) * count_e, P_e = mean_t p_te (in the sequence)."""
+    p = balance_probs(logits, score_func)
+    t, e = p.shape
+    idx = np.asarray(expert_idx)
+    k = idx.shape[1]
+    s = t // num_sequences
+    total = 0.0
+    for b in range(num_sequences):
+        rows = slice(b * s, (b + 1) * s)
+        f = e / (k * s) * np.bincount(idx[rows].reshape(-1), minlength=e)
+        total += (f * p[rows].mean(axis=0)).sum()
+    return total / num_sequences
+
+
+def router_z_loss(logits):
+    """mean_t logsumexp(logits_t)^2."""
+    logits = np.asarray(logits, np.float64)
+    m = logits.max(axis=-1)
+    lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=-1))
+    return float((lse ** 2).mean())
 
 
 # -- MoeFFN quant path (SPEC §4, inference only) ---------------------------------------------------

@@ -1,12 +1,19 @@
-"""Cells built on the operators."""
+"""Cells built on the operators, their options, losses and checkpoint converters."""
+from .config import MoEConfig
 from .gating import GatingTopK
 from .ffn import MoeFFN
-from .moe_layer import (MoELayer, SharedExperts, convert_deepseek_v3_moe, expert_load,
-                        load_imbalance, moe_layers, reset_expert_load,
-                        update_expert_bias)
+from .losses import AuxLossScaler
+from .moe_layer import (MoELayer, SharedExperts, expert_load, load_imbalance, moe_layers,
+                        reset_expert_load, update_expert_bias)
+from .families import (convert_deepseek_v2_moe, convert_deepseek_v3_moe, convert_mixtral_moe,
+                       convert_moe_checkpoint, convert_qwen2_moe, convert_qwen3_moe,
+                       moe_config_from_transformers)
 
-__all__ = ["GatingTopK", "MoeFFN", "MoELayer", "SharedExperts", "moe_layers", "expert_load",
-           "load_imbalance", "update_expert_bias", "reset_expert_load", "convert_deepseek_v3_moe"]
+__all__ = ["GatingTopK", "MoeFFN", "MoELayer", "MoEConfig", "SharedExperts", "AuxLossScaler",
+           "moe_layers", "expert_load", "load_imbalance", "update_expert_bias",
+           "reset_expert_load", "moe_config_from_transformers", "convert_moe_checkpoint",
+           "convert_deepseek_v3_moe", "convert_deepseek_v2_moe", "convert_qwen3_moe",
+           "convert_qwen2_moe", "convert_mixtral_moe"]
 
 from .quant import QuantMoeFFN, quantize_moe_ffn
 

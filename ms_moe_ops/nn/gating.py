@@ -1,10 +1,15 @@
-"""GatingTopK: the DeepSeek-V3 style router Cell with auxiliary-loss-free load balancing."""
+"""GatingTopK: the router Cell (sigmoid or softmax scores, group-limited top-k), with
+DeepSeek-V3's auxiliary-loss-free load balancing and the auxiliary training losses."""
+import math
+import numbers
+
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..ops.gating import GATING_TOP_K, moe_gating_top_k
+from .losses import AuxLossScaler, balance_probs, router_z_loss, sequence_aux_loss, switch_aux_loss
 
 __all__ = ["GatingTopK"]
 
@@ -19,9 +24,16 @@ class GatingTopK(nn.Cell):
     n_group groups). The weights come from the un-biased scores, renormalised when
     norm_topk_prob, times routed_scaling_factor.
 
+    Training losses (see `ms_moe_ops.nn.losses`; each is computed only when its coefficient is
+    not 0, and enters through the backward, never through the output): `aux_loss_coeff` times
+    the Switch load-balancing loss, `seq_aux_loss_coeff` times DeepSeek-V3's sequence-wise
+    balance loss (a sequence is one row of a [B, S, H] input; any other input is one sequence),
+    `z_loss_coeff` times the router z-loss.
+
     Parameters: `weight` [num_experts, hidden_size] (trainable), `expert_bias` [num_experts]
     (selection only, not trainable), `tokens_per_expert` [num_experts] float32 (routed tokens
-    since the last `update_expert_bias()`, not trainable).
+    since the last `update_expert_bias()`, not trainable), `aux_losses` [3] float32 (switch,
+    sequence and z-loss of the last forward pass, unscaled, 0 when off; not trainable).
 
     construct(hidden_states [..., hidden_size]) -> (weights [T, top_k] float32,
     expert_idx [T, top_k] int32), T = number of tokens.
@@ -29,7 +41,8 @@ class GatingTopK(nn.Cell):
 
     def __init__(self, hidden_size, num_experts, top_k, n_group=1, topk_group=1,
                  group_select_mode=1, score_func="sigmoid", routed_scaling_factor=1.0,
-                 norm_topk_prob=True, bias_update_rate=1e-3):
+                 norm_topk_prob=True, bias_update_rate=1e-3, aux_loss_coeff=0.0,
+                 seq_aux_loss_coeff=0.0, z_loss_coeff=0.0):
         super().__init__()
         if score_func not in _SCORE_FUNCS:
             raise ValueError(f"GatingTopK: score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
@@ -42,6 +55,7 @@ class GatingTopK(nn.Cell):
         self.n_group = n_group
         self.topk_group = topk_group
         self.group_select_mode = group_select_mode if n_group > 1 else 0
+        self.score_func = score_func
         self.norm_type = _SCORE_FUNCS[score_func]
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.norm_topk_prob = bool(norm_topk_prob)
@@ -52,6 +66,10 @@ class GatingTopK(nn.Cell):
                                      requires_grad=False)
         self.tokens_per_expert = Parameter(Tensor(np.zeros(num_experts, np.float32)),
                                            name="tokens_per_expert", requires_grad=False)
+        self.aux_losses = Parameter(Tensor(np.zeros(3, np.float32)), name="aux_losses",
+                                    requires_grad=False)
+        self.loss_coeffs = _loss_coeffs(aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff)
+        self.loss_scaler = AuxLossScaler(self.loss_coeffs) if any(self.loss_coeffs) else None
         # Sigmoid scores without renormalisation: the op always renormalises sigmoid weights, so
         # these are gathered from its x_norm output (which is differentiable too).
         self.gather_unnormalised = self.norm_type == 1 and not self.norm_topk_prob
@@ -65,6 +83,7 @@ class GatingTopK(nn.Cell):
 
     def construct(self, hidden_states):
         h = hidden_states.reshape(-1, self.hidden_size).astype(ms.float32)
+        sequences = hidden_states.shape[0] if hidden_states.ndim == 3 else 1
         logits = ops.matmul(h, self.weight.T)
         weights, expert_idx, scores = moe_gating_top_k(
             logits, self.top_k, self.expert_bias, k_group=self.topk_group,
@@ -77,7 +96,24 @@ class GatingTopK(nn.Cell):
                                           expert_idx.reshape(-1), self.num_experts)
         # depend: keeps the count update in the graph even when expert_idx is unused
         weights = ops.depend(weights, ops.assign_add(self.tokens_per_expert, ops.stop_gradient(counts)))
+        if self.loss_scaler is not None:
+            losses = self._losses(logits, scores, expert_idx, ops.stop_gradient(counts), sequences)
+            weights = self.loss_scaler(weights, losses)
+            weights = ops.depend(weights, ops.assign(self.aux_losses, ops.stop_gradient(losses)))
         return weights, expert_idx
+
+    def _losses(self, logits, scores, expert_idx, counts, sequences):
+        """[switch, sequence, z] losses of this pass (0 for those whose coefficient is 0)."""
+        probs = balance_probs(scores, self.score_func)
+        zero = ops.zeros((), ms.float32)
+        aux, seq, z = self.loss_coeffs
+        return ops.stack([switch_aux_loss(probs, counts) if aux else zero,
+                          sequence_aux_loss(probs, expert_idx, sequences) if seq else zero,
+                          router_z_loss(logits) if z else zero])
+
+    def losses(self):
+        """{"switch", "sequence", "z"}: the unscaled losses of the last forward pass (floats)."""
+        return dict(zip(("switch", "sequence", "z"), self.aux_losses.asnumpy().tolist()))
 
     def load(self):
         """Tokens routed to each expert since the last bias update (numpy float32 [E])."""
@@ -91,3 +127,12 @@ class GatingTopK(nn.Cell):
             step = self.bias_update_rate * np.sign(load.mean() - load)
             self.expert_bias.set_data(Tensor((self.expert_bias.asnumpy() + step).astype(np.float32)))
         self.tokens_per_expert.set_data(Tensor(np.zeros(self.num_experts, np.float32)))
+
+
+def _loss_coeffs(*coeffs):
+    names = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff")
+    for name, value in zip(names, coeffs):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                math.isfinite(value) and value >= 0):
+            raise ValueError(f"GatingTopK: {name} must be a finite number >= 0, got {value!r}")
+    return tuple(float(c) for c in coeffs)

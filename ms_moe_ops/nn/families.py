@@ -1,0 +1,194 @@
+"""The MoE blocks of transformers' model families as MoELayers: options from a model
+configuration, and checkpoint converters.
+
+Checkpoints come in two layouts, and every converter reads both:
+- per expert, as on the Hugging Face Hub: `experts.{e}.gate_proj.weight` [I, H],
+  `experts.{e}.up_proj.weight` [I, H], `experts.{e}.down_proj.weight` [H, I] (Mixtral:
+  `experts.{e}.w1`, `w3`, `w2`);
+- fused, as transformers 5 holds them: `experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+  `experts.down_proj` [E, H, I].
+"""
+import functools
+from collections import namedtuple
+
+import numpy as np
+
+from .config import MoEConfig
+
+__all__ = ["moe_config_from_transformers", "convert_moe_checkpoint", "convert_deepseek_v3_moe",
+           "convert_deepseek_v2_moe", "convert_qwen3_moe", "convert_qwen2_moe",
+           "convert_mixtral_moe", "FAMILIES"]
+
+# Checkpoint names of a family's MoE block, relative to the block's prefix.
+#   experts: per-expert names of the (gate, up, down) projections
+#   shared: stem of the shared experts' MLP (None: the family has none)
+#   shared_gate: Qwen2-MoE's shared-expert gate [1, H]
+#   bias: DeepSeek-V3's selection bias
+Family = namedtuple("Family", "experts shared shared_gate bias")
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
+FAMILIES = {
+    "deepseek_v3": Family(_SWIGLU, "shared_experts.", None, "gate.e_score_correction_bias"),
+    "deepseek_v2": Family(_SWIGLU, "shared_experts.", None, None),
+    "qwen3_moe": Family(_SWIGLU, None, None, None),
+    "qwen2_moe": Family(_SWIGLU, "shared_expert.", "shared_expert_gate.weight", None),
+    "mixtral": Family(("w1", "w3", "w2"), None, None, None),
+}
+
+
+# -- options ------------------------------------------------------------------------------------
+
+def moe_config_from_transformers(config, **overrides):
+    """The MoEConfig of the MoE blocks of a transformers model configuration
+    (`DeepseekV3Config`, `DeepseekV2Config`, `Qwen3MoeConfig`, `Qwen2MoeConfig`,
+    `MixtralConfig`, or any object with their attributes and `model_type`); overrides set other
+    options, e.g. the training losses (`aux_loss_coeff=config.router_aux_loss_coef`).
+
+    Not reproduced: Mixtral's training-time router jitter noise (off by default)."""
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        raise ValueError(f"moe_config_from_transformers: model_type must be one of "
+                         f"{sorted(FAMILIES)}, got {kind!r}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"moe_config_from_transformers: the experts must be SwiGLU "
+                         f"(hidden_act='silu'), got hidden_act={config.hidden_act!r}")
+    get = functools.partial(getattr, config)
+    opts = dict(hidden_size=get("hidden_size"), top_k=get("num_experts_per_tok"))
+    if kind == "deepseek_v3":
+        opts.update(ffn_hidden_size=get("moe_intermediate_size"),
+                    num_experts=get("n_routed_experts"), n_group=get("n_group"),
+                    topk_group=get("topk_group"), group_select_mode=1,
+                    routed_scaling_factor=get("routed_scaling_factor"),
+                    norm_topk_prob=get("norm_topk_prob"),
+                    n_shared_experts=get("n_shared_experts"))
+    elif kind == "deepseek_v2":
+        grouped = get("topk_method") == "group_limited_greedy"
+        # transformers' DeepseekV2 router never renormalises (norm_topk_prob is unused there)
+        opts.update(ffn_hidden_size=get("moe_intermediate_size"),
+                    num_experts=get("n_routed_experts"), score_func="softmax",
+                    n_group=get("n_group") if grouped else 1,
+                    topk_group=get("topk_group") if grouped else 1, group_select_mode=0,
+                    routed_scaling_factor=get("routed_scaling_factor"), norm_topk_prob=False,
+                    n_shared_experts=get("n_shared_experts"))
+    elif kind == "mixtral":
+        opts.update(ffn_hidden_size=get("intermediate_size"),
+                    num_experts=get("num_local_experts"), score_func="softmax")
+    else:  # qwen3_moe, qwen2_moe
+        opts.update(ffn_hidden_size=get("moe_intermediate_size"), num_experts=get("num_experts"),
+                    score_func="softmax", norm_topk_prob=get("norm_topk_prob"))
+        if kind == "qwen2_moe":
+            opts.update(n_shared_experts=1,
+                        shared_ffn_hidden_size=get("shared_expert_intermediate_size"),
+                        shared_expert_gate=True)
+    return MoEConfig(**{**opts, **overrides})
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+def convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, family, num_experts=None):
+    """One MoE block of a transformers/Hub state dict -> {MoELayer parameter name: numpy
+    float32}, for a MoELayer at dst_prefix.
+
+    Args:
+        state_dict: name -> numpy array (torch layout [out, in]); per-expert or fused experts.
+        src_prefix: the block's prefix with its dot, e.g. "model.layers.3.mlp." (Mixtral on the
+            Hub: "model.layers.3.block_sparse_moe."). Every name under it must be understood.
+        dst_prefix: the MoELayer's prefix, e.g. "layers.3.moe." ("" for a bare MoELayer).
+        family: a key of FAMILIES ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe",
+            "mixtral").
+        num_experts: checked against the router's rows when given.
+
+    Returns:
+        router.weight, router.expert_bias (zeros when the family has none), experts.weight1
+        [E, H, 2I], experts.weight2 [E, I, H] and, with shared experts, shared_experts.weight1
+        [H, 2Is], shared_experts.weight2 [Is, H] (and shared_experts.gate [H]). Load it with
+        `ms.load_param_into_net(layer, {k: Parameter(Tensor(v), name=k) ...}, strict_load=True)`:
+        only the routing statistics (router.tokens_per_expert, router.aux_losses) stay as they are.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"convert_moe_checkpoint: family must be one of {sorted(FAMILIES)}, "
+                         f"got {family!r}")
+    names = FAMILIES[family]
+    used = set()
+
+    def has(name):
+        return src_prefix + name in state_dict
+
+    def get(name):
+        if not has(name):
+            raise KeyError(f"convert_moe_checkpoint ({family}): '{src_prefix + name}' is not in "
+                           f"the state dict")
+        used.add(src_prefix + name)
+        return np.asarray(state_dict[src_prefix + name], np.float32)
+
+    router = get("gate.weight")
+    e, h = router.shape
+    if num_experts is not None and num_experts != e:
+        raise ValueError(f"convert_moe_checkpoint: num_experts={num_experts}, but "
+                         f"'{src_prefix}gate.weight' has {e} rows")
+    out = {"router.weight": router,
+           "router.expert_bias": get(names.bias) if names.bias and has(names.bias) else
+           np.zeros(e, np.float32)}
+    if has("experts.gate_up_proj"):
+        gate_up, down = get("experts.gate_up_proj"), get("experts.down_proj")  # [E, 2I, H], [E, H, I]
+        _check_fused(src_prefix, gate_up, down, e, h)
+        out["experts.weight1"] = gate_up.transpose(0, 2, 1)
+        out["experts.weight2"] = down.transpose(0, 2, 1)
+    else:
+        pairs = [_swiglu(get, f"experts.{i}.", names.experts) for i in range(e)]
+        out["experts.weight1"] = np.stack([w1 for w1, _ in pairs])
+        out["experts.weight2"] = np.stack([w2 for _, w2 in pairs])
+    if names.shared and has(names.shared + "gate_proj.weight"):
+        out["shared_experts.weight1"], out["shared_experts.weight2"] = _swiglu(
+            get, names.shared, _SWIGLU)
+        if names.shared_gate:
+            out["shared_experts.gate"] = get(names.shared_gate).reshape(-1)
+    unknown = sorted(k for k in state_dict if k.startswith(src_prefix) and k not in used)
+    if unknown:
+        raise ValueError(f"convert_moe_checkpoint ({family}): names under '{src_prefix}' this "
+                         f"family does not have: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    return {dst_prefix + k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _swiglu(get, stem, names):
+    """(weight1 [H, 2I] = gate | up columns, weight2 [I, H]) of one MLP in torch layout."""
+    gate, up, down = (get(f"{stem}{n}.weight") for n in names)
+    return np.concatenate([gate.T, up.T], axis=1), down.T
+
+
+def _check_fused(prefix, gate_up, down, e, h):
+    if gate_up.ndim != 3 or gate_up.shape[0] != e or gate_up.shape[2] != h or gate_up.shape[1] % 2:
+        raise ValueError(f"convert_moe_checkpoint: '{prefix}experts.gate_up_proj' must be "
+                         f"[{e}, 2I, {h}], got {list(gate_up.shape)}")
+    if down.shape != (e, h, gate_up.shape[1] // 2):
+        raise ValueError(f"convert_moe_checkpoint: '{prefix}experts.down_proj' must be "
+                         f"[{e}, {h}, {gate_up.shape[1] // 2}], got {list(down.shape)}")
+
+
+def convert_deepseek_v3_moe(state_dict, src_prefix, dst_prefix, num_experts=None):
+    """One DeepSeek-V3 MoE block (router with `gate.e_score_correction_bias`, shared experts)
+    -> MoELayer parameters; see convert_moe_checkpoint."""
+    return convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, "deepseek_v3", num_experts)
+
+
+def convert_deepseek_v2_moe(state_dict, src_prefix, dst_prefix, num_experts=None):
+    """One DeepSeek-V2 MoE block (shared experts) -> MoELayer parameters; see
+    convert_moe_checkpoint."""
+    return convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, "deepseek_v2", num_experts)
+
+
+def convert_qwen3_moe(state_dict, src_prefix, dst_prefix, num_experts=None):
+    """One Qwen3-MoE block -> MoELayer parameters; see convert_moe_checkpoint."""
+    return convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, "qwen3_moe", num_experts)
+
+
+def convert_qwen2_moe(state_dict, src_prefix, dst_prefix, num_experts=None):
+    """One Qwen2-MoE block (`shared_expert.*` and `shared_expert_gate.weight` [1, H]) ->
+    MoELayer parameters; see convert_moe_checkpoint."""
+    return convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, "qwen2_moe", num_experts)
+
+
+def convert_mixtral_moe(state_dict, src_prefix, dst_prefix, num_experts=None):
+    """One Mixtral MoE block (Hub: `block_sparse_moe.experts.{e}.w1/w2/w3.weight`; transformers
+    5: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) -> MoELayer parameters; see
+    convert_moe_checkpoint."""
+    return convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, "mixtral", num_experts)

@@ -1,0 +1,76 @@
+"""Router training losses and the gradient scaler that applies them.
+
+The losses never appear in a layer's output. As in Megatron's MoEAuxLossAutoScaler, an identity
+`AuxLossScaler(coeffs)(x, losses)` sits on a tensor of the forward pass; its backward hands the
+losses the constant gradient `coeffs`, so autodiff adds `sum_i coeffs[i] * dL_i/d(inputs)` to the
+gradients of the main loss. A model trains on them by setting a coefficient, with no change to its
+own code.
+
+Notation: T tokens, E experts, K experts per token; logits [T, E] float32; counts_e = number of
+(token, slot) pairs routed to expert e (the real top-k choice, bias and groups included).
+"""
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+__all__ = ["AuxLossScaler", "balance_probs", "switch_aux_loss", "sequence_aux_loss",
+           "router_z_loss"]
+
+
+class AuxLossScaler(nn.Cell):
+    """construct(x, losses [n]) -> x. Backward: x gets its own gradient unchanged, `losses` gets
+    `coeffs` [n] (float32), so the losses' gradients reach everything they were computed from."""
+
+    def __init__(self, coeffs):
+        super().__init__()
+        self.coeffs = Tensor(list(coeffs), ms.float32)
+
+    def construct(self, x, losses):
+        return x
+
+    def bprop(self, x, losses, out, dout):
+        return dout, self.coeffs.astype(losses.dtype)
+
+
+def balance_probs(scores, score_func):
+    """p [T, E], the routing probabilities the balance losses average: softmax scores as they
+    are, sigmoid scores normalised to sum to 1 per token."""
+    if score_func == "softmax":
+        return scores
+    return scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
+
+
+def switch_aux_loss(probs, counts):
+    """Switch Transformer / GShard load-balancing loss, as transformers' load_balancing_loss_func:
+    `L = E * sum_e (counts_e / T) * mean_t p_te`, which is K for perfectly uniform routing.
+    Megatron's switch loss is this divided by K (1 when uniform): with Megatron's coefficients,
+    divide them by K. probs [T, E], counts [E] float32."""
+    t, num_experts = probs.shape
+    if t == 0:
+        return ops.zeros((), ms.float32)
+    return (counts * probs.sum(axis=0)).sum() * (num_experts / (t * t))
+
+
+def sequence_aux_loss(probs, expert_idx, num_sequences):
+    """DeepSeek-V3's complementary sequence-wise balance loss, averaged over the sequences:
+    per sequence of S tokens, `sum_e f_e * P_e` with `f_e = E / (K S) * counts_e` (the
+    sequence's own counts) and `P_e = mean_t p_te` (1 for uniform routing). probs [T, E],
+    expert_idx [T, K] int32; T = num_sequences * S, consecutive tokens forming a sequence."""
+    t, num_experts = probs.shape
+    if t == 0:
+        return ops.zeros((), ms.float32)
+    k = expert_idx.shape[1]
+    s = t // num_sequences
+    owner = (ops.arange(t, dtype=ms.int32) // s * num_experts).reshape(-1, 1)
+    counts = ops.unsorted_segment_sum(ops.ones((t * k,), ms.float32),
+                                      (expert_idx + owner).reshape(-1), num_sequences * num_experts)
+    counts = ops.stop_gradient(counts.reshape(num_sequences, num_experts))
+    p_sum = probs.reshape(num_sequences, s, num_experts).sum(axis=1)
+    return (counts * p_sum).sum() * (num_experts / (k * s * s * num_sequences))
+
+
+def router_z_loss(logits):
+    """ST-MoE router z-loss: `mean_t logsumexp(logits_t)^2`."""
+    if logits.shape[0] == 0:
+        return ops.zeros((), ms.float32)
+    lse = ops.logsumexp(logits, -1)
+    return (lse * lse).mean()
