@@ -1,5 +1,9 @@
 """MoELayer against the numpy reference: forward, gradients (finite differences), modes, dtypes,
-routing corner cases, load balancing, training and checkpoint conversion."""
+routing options and corner cases, load balancing, training, options object and checkpoint
+conversion. (Parity with transformers' blocks: test_families.py; losses: test_losses.py.)"""
+import dataclasses
+import inspect
+
 import numpy as np
 import pytest
 import mindspore as ms
@@ -28,6 +32,8 @@ def params(layer):
                weight1=p["experts.weight1"], weight2=p["experts.weight2"])
     if "shared_experts.weight1" in p:
         out.update(shared_weight1=p["shared_experts.weight1"], shared_weight2=p["shared_experts.weight2"])
+    if "shared_experts.gate" in p:
+        out.update(shared_gate=p["shared_experts.gate"])
     return out
 
 
@@ -36,7 +42,7 @@ def config(layer):
     return dict(top_k=layer.top_k, n_group=r.n_group, topk_group=r.topk_group,
                 group_select_mode=r.group_select_mode,
                 routed_scaling_factor=r.routed_scaling_factor,
-                score_func="sigmoid" if r.norm_type == 1 else "softmax",
+                score_func=r.score_func, norm_topk_prob=r.norm_topk_prob,
                 activation=layer.experts.activation, clamp_limit=layer.experts.clamp_limit)
 
 
@@ -58,6 +64,12 @@ CONFIGS = {
     "groups-mode1": dict(e=8, k=3, n_group=4, topk_group=2, group_select_mode=1),
     "groups-mode0": dict(e=8, k=2, n_group=4, topk_group=2, group_select_mode=0, shared=1),
     "softmax+scale": dict(score_func="softmax", routed_scaling_factor=2.5),
+    "softmax, no renormalisation": dict(score_func="softmax", norm_topk_prob=False, k=3),
+    "sigmoid, no renormalisation": dict(norm_topk_prob=False, routed_scaling_factor=1.5),
+    "groups by max, softmax, no renormalisation": dict(
+        e=8, k=3, n_group=4, topk_group=2, group_select_mode=0, score_func="softmax",
+        norm_topk_prob=False, routed_scaling_factor=1.7, shared=2),
+    "gated shared expert": dict(score_func="softmax", shared=1, shared_expert_gate=True),
     "clamp": dict(clamp_limit=0.5),
     "fastgelu": dict(activation="fastgelu", shared=1),
     "gelu": dict(activation="gelu"),
@@ -131,6 +143,9 @@ GRAD_CONFIGS = {
     "swiglu+shared": dict(shared=1),
     "fastgelu+groups": dict(activation="fastgelu", e=4, k=2, n_group=2, topk_group=1),
     "softmax+clamp": dict(score_func="softmax", clamp_limit=0.8, routed_scaling_factor=1.5),
+    "no renormalisation, gated shared": dict(score_func="softmax", norm_topk_prob=False, shared=1,
+                                             shared_expert_gate=True),
+    "sigmoid, no renormalisation, relu": dict(norm_topk_prob=False, activation="relu"),
 }
 
 
@@ -151,7 +166,7 @@ def test_gradients_match_finite_differences(name, mode):
     assert_close(gx, finite_diff(lambda v: objective(x=v), x), tol=1e-4)
     names = {"router.weight": "router_weight", "experts.weight1": "weight1",
              "experts.weight2": "weight2", "shared_experts.weight1": "shared_weight1",
-             "shared_experts.weight2": "shared_weight2"}
+             "shared_experts.weight2": "shared_weight2", "shared_experts.gate": "shared_gate"}
     assert set(gw) == {n for n in names if names[n] in base}
     for pname, arg in names.items():
         if arg in base:
@@ -238,7 +253,8 @@ def test_parameter_layout():
     layer = MoELayer(16, 12, 8, 2, n_shared_experts=2, shared_ffn_hidden_size=5)
     shapes = {n: tuple(p.shape) for n, p in layer.parameters_and_names()}
     assert shapes == {"router.weight": (8, 16), "router.expert_bias": (8,),
-                      "router.tokens_per_expert": (8,), "experts.weight1": (8, 16, 24),
+                      "router.tokens_per_expert": (8,), "router.aux_losses": (3,),
+                      "experts.weight1": (8, 16, 24),
                       "experts.weight2": (8, 12, 16), "shared_experts.weight1": (16, 20),
                       "shared_experts.weight2": (10, 16)}
     assert {p.name for p in layer.trainable_params()} == {
@@ -246,6 +262,28 @@ def test_parameter_layout():
         "shared_experts.weight2"}
     plain = MoELayer(16, 12, 8, 2, activation="relu")
     assert plain.experts.weight1.shape == (8, 16, 12) and plain.shared_experts is None
+    gated = MoELayer(16, 12, 8, 2, n_shared_experts=1, shared_expert_gate=True)
+    assert gated.shared_experts.gate.shape == (16,) and gated.shared_experts.gate.requires_grad
+
+
+def test_config_object():
+    layer = MoELayer(16, 12, 8, 2, score_func="softmax", norm_topk_prob=False, n_shared_experts=1,
+                     shared_expert_gate=True, z_loss_coeff=1e-3)
+    config = layer.config
+    assert isinstance(config, ms_moe_ops.MoEConfig)
+    assert (config.score_func, config.norm_topk_prob, config.z_loss_coeff) == ("softmax", False, 1e-3)
+    again = MoELayer.from_config(config)
+    assert again.config == config
+    assert {n: p.shape for n, p in again.parameters_and_names()} == \
+        {n: p.shape for n, p in layer.parameters_and_names()}
+    assert MoELayer.from_config(config.replace(top_k=3)).router.top_k == 3
+    # the constructor and the config object list the same options with the same defaults
+    signature = inspect.signature(MoELayer.__init__).parameters
+    fields = dataclasses.fields(ms_moe_ops.MoEConfig)
+    assert list(signature)[1:] == [f.name for f in fields]
+    for f in fields:
+        if f.default is not dataclasses.MISSING:
+            assert signature[f.name].default == f.default, f.name
 
 
 def test_deepseek_v3_checkpoint_converter():
@@ -260,8 +298,9 @@ def test_deepseek_v3_checkpoint_converter():
     converted = ms_moe_ops.convert_deepseek_v3_moe(hf, "model.layers.0.mlp.", "", e)
     layer = MoELayer(h, f, e, 2, n_shared_experts=1)
     not_loaded, _ = ms.load_param_into_net(
-        layer, {k: Parameter(Tensor(v), name=k) for k, v in converted.items()})
-    assert not_loaded == ["router.tokens_per_expert"]  # routing statistics, not a weight
+        layer, {k: Parameter(Tensor(v), name=k) for k, v in converted.items()}, strict_load=True)
+    # routing statistics, not weights
+    assert sorted(not_loaded) == ["router.aux_losses", "router.tokens_per_expert"]
     x = inputs((5, h))
     out = numpy(layer(tensor(x.astype(np.float32))))
     # the Hugging Face formulation, token by token
@@ -288,3 +327,5 @@ def test_bad_configuration():
         MoELayer(8, 4, 4, 5)
     with pytest.raises(ValueError, match="clamp_limit"):
         MoELayer(8, 4, 4, 2, activation="relu", clamp_limit=1.0)
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        MoELayer(8, 4, 4, 2, shared_expert_gate=True)
