@@ -2,10 +2,12 @@
 
 A character-level decoder-only transformer (causal self-attention + MoELayer feed-forward blocks
 with a shared expert) learns the Python documentation text that ships with Python itself
-(`pydoc_data.topics`), in GRAPH mode, with DeepSeek-V3's auxiliary-loss-free load balancing.
+(`pydoc_data.topics`), in GRAPH mode, with DeepSeek-V3's auxiliary-loss-free load balancing
+and, if asked, the auxiliary losses (Switch load balancing, sequence-wise balance, router z-loss).
 
     python examples/train_moe.py                      # ~4 minutes on 2 idle CPU cores
     python examples/train_moe.py --steps 50 --experts 16 --top-k 4 --out runs/e16
+    python examples/train_moe.py --router softmax --aux-loss 0.01 --z-loss 0.001 --bias-update-rate 0
 
 Writes to --out: the checkpoint (moe_lm.ckpt), loss.png (train/val loss), expert_load.png
 (tokens per expert over time, per layer), and prints a summary and a sampled text.
@@ -35,8 +37,16 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--ffn", type=int, default=128, help="hidden width of each expert")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (Adam, cosine decay)")
+    p.add_argument("--router", choices=("sigmoid", "softmax"), default="sigmoid",
+                   help="score function of the routers")
     p.add_argument("--bias-update-rate", type=float, default=5e-3,
-                   help="aux-loss-free balancing: expert-bias step per training step")
+                   help="aux-loss-free balancing: expert-bias step per training step (0 = off)")
+    p.add_argument("--aux-loss", type=float, default=0.0,
+                   help="coefficient of the Switch load-balancing loss (0 = off)")
+    p.add_argument("--seq-aux-loss", type=float, default=0.0,
+                   help="coefficient of DeepSeek-V3's sequence-wise balance loss (0 = off)")
+    p.add_argument("--z-loss", type=float, default=0.0,
+                   help="coefficient of the router z-loss (0 = off)")
     p.add_argument("--eval-every", type=int, default=100, help="validation interval (steps)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     p.add_argument("--sample-chars", type=int, default=300, help="length of the sampled text")
@@ -62,9 +72,14 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     data = CharData()
+    moe_options = dict(score_func=args.router, aux_loss_coeff=args.aux_loss,
+                       seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss)
     net = MoELanguageModel(data.vocab_size, args.seq_len, args.d_model, args.heads, args.layers,
                            args.ffn, args.experts, args.top_k, args.shared_experts,
-                           args.bias_update_rate)
+                           args.bias_update_rate, moe_options)
+    # the router losses switched on, by their name in router.aux_losses
+    losses_on = [name for name, coeff in (("switch", args.aux_loss), ("sequence", args.seq_aux_loss),
+                                          ("z", args.z_loss)) if coeff]
     with_loss = nn.WithLossCell(net, nn.CrossEntropyLoss())
     lr = cosine_schedule(args.lr, args.steps)
     optimizer = nn.Adam(net.trainable_params(), learning_rate=ms.Tensor(lr, ms.float32))
@@ -74,9 +89,14 @@ def main(argv=None):
 
     total, active = count_params(net, args)
     print(f"{args.layers} layers, d_model {args.d_model}, {args.experts} experts (top-{args.top_k}) "
-          f"+ {args.shared_experts} shared; {total / 1e6:.2f}M parameters, {active / 1e6:.2f}M "
-          f"active per token; text: {len(data.train)} train / {len(data.val)} val chars, "
-          f"vocabulary {data.vocab_size}; {args.mode} mode on {args.device}")
+          f"+ {args.shared_experts} shared, {args.router} router; {total / 1e6:.2f}M parameters, "
+          f"{active / 1e6:.2f}M active per token; text: {len(data.train)} train / "
+          f"{len(data.val)} val chars, vocabulary {data.vocab_size}; {args.mode} mode on "
+          f"{args.device}")
+    if losses_on:
+        print("router losses: " + ", ".join(f"{name} x {coeff:g}" for name, coeff in (
+            ("switch", args.aux_loss), ("sequence", args.seq_aux_loss), ("z", args.z_loss))
+            if coeff))
 
     def val_loss():
         losses = [float(evaluate(*tensors(data.batch("val", args.batch_size, args.seq_len, rng))))
@@ -87,7 +107,7 @@ def main(argv=None):
     def tensors(batch):
         return ms.Tensor(batch[0], ms.int32), ms.Tensor(batch[1].reshape(-1), ms.int32)
 
-    train_losses, loads = [], []
+    train_losses, loads, router_losses = [], [], []
     val_points = [(0, val_loss())]
     tokens = args.batch_size * args.seq_len
     start = time.time()
@@ -96,6 +116,7 @@ def main(argv=None):
     for step in bar:
         t0 = time.time()
         loss = float(train_step(*tensors(data.batch("train", args.batch_size, args.seq_len, rng))))
+        router_losses.append(router_loss_values(net))  # this step's, before any evaluation pass
         load = ms_moe_ops.update_expert_bias(net)  # tokens per expert of this step, then rebalance
         dt = time.time() - t0
         if first_step_time is None:
@@ -109,6 +130,8 @@ def main(argv=None):
                    "imbalance": f"{max(ms_moe_ops.load_imbalance(load)):.2f}"}
         if val_points:
             postfix["val"] = f"{val_points[-1][1]:.3f}"
+        for name in losses_on:
+            postfix[name] = f"{router_losses[-1][name]:.3f}"
         bar.set_postfix(postfix)
     elapsed = time.time() - start
     loads = np.stack(loads)  # [steps, layers, experts]
@@ -131,6 +154,10 @@ def main(argv=None):
           f"{np.log(data.vocab_size):.3f}")
     print(f"load imbalance (max/mean tokens per expert, per layer): first {window} steps "
           f"{head_imb} -> last {window} steps {tail_imb}")
+    if losses_on:
+        print("router losses (unscaled, mean over layers): " + ", ".join(
+            f"{name} {np.mean([r[name] for r in router_losses[:window]]):.4f} -> "
+            f"{np.mean([r[name] for r in router_losses[-window:]]):.4f}" for name in losses_on))
     print(f"wrote {ckpt}, {os.path.join(args.out, 'loss.png')}, "
           f"{os.path.join(args.out, 'expert_load.png')}")
 
@@ -138,7 +165,17 @@ def main(argv=None):
     text = net.sample(data, prompt, args.sample_chars, rng)
     print("\n== sample (prompt from the validation text, then generated) ==")
     print(data.decode(prompt) + "|" + text)
-    return {"train_loss": train_losses, "val": val_points, "loads": loads, "elapsed": elapsed}
+    return {"train_loss": train_losses, "val": val_points, "loads": loads, "elapsed": elapsed,
+            "router_losses": router_losses}
+
+
+def router_loss_values(net):
+    """{"switch", "sequence", "z"}: the unscaled router losses of the last forward pass, mean
+    over the MoE layers."""
+    import ms_moe_ops
+
+    values = [layer.router.losses() for layer in ms_moe_ops.moe_layers(net)]
+    return {name: float(np.mean([v[name] for v in values])) for name in values[0]}
 
 
 def cosine_schedule(peak, steps, warmup_frac=0.05):
