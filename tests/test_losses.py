@@ -147,8 +147,12 @@ def test_switch_loss_training_balances_the_load():
 
 
 def test_bad_coefficients():
-    for bad in (-0.1, float("nan"), float("inf"), "0.1", True):
+    for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="aux_loss_coeff"):
             MoELayer(8, 4, 4, 2, aux_loss_coeff=bad)
+    for bad in ("0.1", True, None):
+        with pytest.raises(TypeError, match="seq_aux_loss_coeff"):
+            MoELayer(8, 4, 4, 2, seq_aux_loss_coeff=bad)
+    assert MoELayer(8, 4, 4, 2, aux_loss_coeff=np.float32(0.5)).router.loss_coeffs == (0.5, 0, 0)
     with pytest.raises(ValueError, match="z_loss_coeff"):
         MoELayer(8, 4, 4, 2, z_loss_coeff=-1)

@@ -130,9 +130,13 @@ class GatingTopK(nn.Cell):
 
 
 def _loss_coeffs(*coeffs):
+    """The three loss coefficients as floats: TypeError for what is no number (bools included),
+    ValueError for negative or non-finite ones."""
     names = ("aux_loss_coeff", "seq_aux_loss_coeff", "z_loss_coeff")
     for name, value in zip(names, coeffs):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-                math.isfinite(value) and value >= 0):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"GatingTopK: {name} must be a number, got {type(value).__name__} "
+                            f"({value!r})")
+        if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"GatingTopK: {name} must be a finite number >= 0, got {value!r}")
     return tuple(float(c) for c in coeffs)
