@@ -84,6 +84,7 @@ int moe_ffn_float(const Args &args, Extra *extra) {
       }
     }
   }
+  zero_tail_rows(ys, off[e], m, h);
   return 0;
 }
 

@@ -2,6 +2,7 @@
 // ranges and activations.
 #pragma once
 
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -29,9 +30,10 @@ inline float activate(Activation act, float x) {
   }
 }
 
-// Row offsets of each group from a counts tensor `name` (int64 [G]): counts (each >= 0, sum == m)
-// or, with cumulative, inclusive ends (non-decreasing, last == m). offsets gets G + 1 entries.
-// Returns non-zero (after one line on stderr) when the counts do not describe m rows.
+// Row offsets of each group from a counts tensor `name` (int64 [G]): counts (each >= 0, sum <= m)
+// or, with cumulative, inclusive ends (non-decreasing, last <= m). offsets gets G + 1 entries;
+// rows from offsets[G] to m belong to no group (a padded batch: the caller zeroes them with
+// zero_tail_rows). Returns non-zero (after one line on stderr) when the counts do not fit m rows.
 inline int group_offsets(const char *op, const char *name, const Arg &tokens, bool cumulative,
                          int64_t m, std::vector<int64_t> &offsets) {
   const int64_t e = tokens.numel();
@@ -45,13 +47,16 @@ inline int group_offsets(const char *op, const char *name, const Arg &tokens, bo
       return fail(op, "%s[%lld] = %lld does not fit %lld rows (%s)", name, (long long)i,
                   (long long)t[i], (long long)m,
                   cumulative ? "cumulative ends must be non-decreasing and <= M"
-                             : "counts must be >= 0 and add up to M");
+                             : "counts must be >= 0 and add up to at most M");
     offsets[i + 1] = cumulative ? t[i] : offsets[i] + t[i];
   }
-  if (offsets[e] != m)
-    return fail(op, "%s describe %lld rows, but x has M = %lld", name, (long long)offsets[e],
-                (long long)m);
   return 0;
+}
+
+// Zeroes rows [from, m) of a row-major [m, n] output: the rows past the last group.
+template <typename T>
+void zero_tail_rows(T *out, int64_t from, int64_t m, int64_t n) {
+  if (from < m) std::memset(static_cast<void *>(out + from * n), 0, sizeof(T) * (m - from) * n);
 }
 
 // The same for MoeFFN's expert_tokens.

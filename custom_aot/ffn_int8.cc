@@ -410,6 +410,7 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
       }
     }
   });
+  zero_tail_rows(y, offsets[e], m, h);
   return 0;
 }
 

@@ -39,6 +39,7 @@ void rows_form(const Arg &x, const Arg &w, const Arg &bias, const std::vector<in
       }
     }
   }
+  zero_tail_rows(ys, off[groups], x.dim(0), n);
 }
 
 template <typename T>

@@ -143,6 +143,18 @@ def test_gradients_with_tokens_index_flag_and_no_bias(mode):
     _check_gradients(v, np.cumsum(tokens), mode, tokens_index_flag=True)
 
 
+def test_rows_past_the_experts(mode):
+    """Counts covering 5 of 7 rows (a padded batch): the last rows are zero in y, get a zero
+    gradient and are never read (NaN there changes nothing)."""
+    v, tokens = _case(counts=(2, 0, 3), h=3, f=4)
+    v["x"] = np.concatenate([v["x"], np.full((2, 3), np.nan)])
+    y = numpy(_call(v, tokens, mode=mode))
+    assert not y[5:].any()
+    assert_close(y, _golden(v, tokens))
+    dx = numpy(_check_gradients(v, tokens, mode)[0])
+    assert not dx[5:].any()
+
+
 @pytest.mark.parametrize("dtype, mode", [("float16", "pynative"), ("bfloat16", "pynative"),
                                          ("bfloat16", "graph")])
 def test_gradients_low_precision(dtype, mode):
@@ -200,10 +212,10 @@ def _bad(**over):
      "'scale' must have dtype float32"),
     (dict(scale=_z(3)), {}, ValueError, "'scale' must have shape"),
     # data faults, found by the kernel before it writes
-    (dict(tokens=np.array([2, 3], np.int64)), {}, RuntimeError, None),
+    (dict(tokens=np.array([3, 4], np.int64)), {}, RuntimeError, None),
     (dict(tokens=np.array([7, -1], np.int64)), {}, RuntimeError, None),
     (dict(tokens=np.array([4, 2], np.int64)), dict(tokens_index_flag=True), RuntimeError, None),
-    (dict(tokens=np.array([2, 5], np.int64)), dict(tokens_index_flag=True), RuntimeError, None),
+    (dict(tokens=np.array([2, 7], np.int64)), dict(tokens_index_flag=True), RuntimeError, None),
 ])
 def test_bad_input(over, attrs, error, match):
     v = _bad(**over)

@@ -232,13 +232,21 @@ def test_same_bits_whatever_the_thread_count(tmp_path):
     assert np.abs(one).max() > 0
 
 
-@pytest.mark.parametrize("tokens, flag", [([5, 0, 9, 5], False), ([5, 0, 9, 3], False),
+@pytest.mark.parametrize("tokens, flag", [([5, 0, 9, 5], False), ([0, 0, 0, 19], False),
                                           ([5, 0, -1, 14], False), ([5, 4, 14, 18], True),
                                           ([5, 5, 14, 19], True)])
 def test_bad_expert_tokens(tokens, flag):
     v = dict(_case(), tokens=np.array(tokens, np.int64))
     with pytest.raises(RuntimeError):
         _call(v, tokens_index_flag=flag).asnumpy()
+
+
+def test_rows_past_the_experts():
+    """Counts covering 18 of 21 rows (a padded batch): the same first rows, zero last rows."""
+    v = _case()
+    padded = dict(v, x=np.concatenate([v["x"], np.full((3, v["x"].shape[1]), 127, np.int8)]))
+    y, y_padded = _as_f32(_call(v)), _as_f32(_call(padded))
+    assert np.array_equal(y_padded[:18], y) and not y_padded[18:].any()
 
 
 def test_gradient_request_raises(mode):

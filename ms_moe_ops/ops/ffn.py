@@ -180,10 +180,11 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
     Args:
         x: [M, H] float32/float16/bfloat16 (float path) or int8 (quant path), rows grouped by
             expert (expert 0's rows first).
-        expert_tokens: int64 tensor [E], 1 <= E <= 256: rows per expert (each >= 0, sum == M), or
-            with tokens_index_flag=True inclusive cumulative ends (non-decreasing, last == M).
-            Experts with no rows are skipped. Counts that do not describe M rows raise
-            RuntimeError before anything is written.
+        expert_tokens: int64 tensor [E], 1 <= E <= 256: rows per expert (each >= 0, sum <= M), or
+            with tokens_index_flag=True inclusive cumulative ends (non-decreasing, last <= M).
+            Experts with no rows are skipped; rows past the last expert's (a padded batch) are
+            zero in y and cost nothing. Counts that do not fit M rows raise RuntimeError before
+            anything is written.
         weight1: [E, H, F]; weight2: [E, F, H]; bias1: [E, F] or None; bias2: [E, H] or None.
             Float path: all of x's dtype. Quant path: int8 weights, int32 biases.
         scale, offset: [E] float32; deq_scale1: [E, F], deq_scale2: [E, H] uint64 (float32 bit

@@ -127,9 +127,10 @@ def grouped_matmul(x, weight, group_list, bias=None, transpose_x=False, transpos
         x: [M, K] float32/float16/bfloat16, rows grouped (group 0's rows first).
         weight: [G, K, N] (or [G, N, K] with transpose_weight), dtype of x. With transpose_x it is
             the second row-grouped operand, [M, N].
-        group_list: int64 [G] rows per group (each >= 0, sum == M), or with cumulative=True the
-            inclusive cumulative ends (non-decreasing, last == M). A tensor, so GRAPH mode does
-            not recompile when the counts change. Counts that do not describe M rows raise
+        group_list: int64 [G] rows per group (each >= 0, sum <= M), or with cumulative=True the
+            inclusive cumulative ends (non-decreasing, last <= M). A tensor, so GRAPH mode does
+            not recompile when the counts change. Rows past the last group (a padded batch)
+            belong to no group: zero output rows, no work. Counts that do not fit M rows raise
             RuntimeError before anything is written.
         bias: [G, N] or None, added to the rows of its group (not with transpose_x).
         transpose_x: out[g] = x[rows g]^T @ weight[rows g] -> [G, K, N] (a weight gradient;
