@@ -70,6 +70,7 @@ class GatingTopK(nn.Cell):
                                     requires_grad=False)
         self.loss_coeffs = _loss_coeffs(aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff)
         self.loss_scaler = AuxLossScaler(self.loss_coeffs) if any(self.loss_coeffs) else None
+        self.count_reducer = None  # see count_over
         # Sigmoid scores without renormalisation: the op always renormalises sigmoid weights, so
         # these are gathered from its x_norm output (which is differentiable too).
         self.gather_unnormalised = self.norm_type == 1 and not self.norm_topk_prob
@@ -94,8 +95,11 @@ class GatingTopK(nn.Cell):
             weights = ops.gather_elements(scores, 1, expert_idx) * self.routed_scaling_factor
         counts = ops.unsorted_segment_sum(ops.ones(expert_idx.size, ms.float32),
                                           expert_idx.reshape(-1), self.num_experts)
+        load = ops.stop_gradient(counts)
+        if self.count_reducer is not None:
+            load = self.count_reducer(load)  # every rank's tokens; the losses keep this rank's
         # depend: keeps the count update in the graph even when expert_idx is unused
-        weights = ops.depend(weights, ops.assign_add(self.tokens_per_expert, ops.stop_gradient(counts)))
+        weights = ops.depend(weights, ops.assign_add(self.tokens_per_expert, load))
         if self.loss_scaler is not None:
             losses = self._losses(logits, scores, expert_idx, ops.stop_gradient(counts), sequences)
             weights = self.loss_scaler(weights, losses)
@@ -114,6 +118,12 @@ class GatingTopK(nn.Cell):
     def losses(self):
         """{"switch", "sequence", "z"}: the unscaled losses of the last forward pass (floats)."""
         return dict(zip(("switch", "sequence", "z"), self.aux_losses.asnumpy().tolist()))
+
+    def count_over(self, group):
+        """Counts the routed tokens of every rank of a communication group in
+        `tokens_per_expert` (an all-reduce per call): with expert parallelism every rank's load
+        and expert_bias then stay the same. The training losses keep using this rank's tokens."""
+        self.count_reducer = ops.AllReduce(group=group)
 
     def load(self):
         """Tokens routed to each expert since the last bias update (numpy float32 [E])."""

@@ -9,6 +9,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import Uniform, initializer
 
 from .. import ops as moe_ops
+from ..parallel.dispatcher import ExpertDispatcher
 from .config import MoEConfig
 from .ffn import ACTIVATIONS, MoeFFN
 from .gating import GatingTopK
@@ -91,6 +92,17 @@ class MoELayer(nn.Cell):
     Gradients reach the input, the router weight and all expert weights. Load balance:
     `router.tokens_per_expert` counts routed tokens (GRAPH mode too); call
     `update_expert_bias(model)` between training steps and `load_imbalance(model)` to watch it.
+
+    Expert parallelism: with `expert_parallel=ep` (a `ms_moe_ops.parallel.ExpertParallel` of n
+    ranks) this rank holds experts [rank*E/n, (rank+1)*E/n) (`experts.weight1`/`weight2` are
+    [E/n, ...]; ValueError when n does not divide E) and the router and shared experts are
+    replicated. Each rank feeds its own tokens (the same number on every rank) and gets the
+    output of its own tokens; the rows routed to other ranks' experts travel through
+    `ep.exchange`. The expert gradients are complete on their rank, the router's and shared
+    experts' are this rank's part (`ms_moe_ops.parallel.ExpertParallelTrainStep` sums them).
+    `router.tokens_per_expert` counts the tokens of all ranks, so `update_expert_bias` keeps
+    every rank's expert_bias the same; the training losses use this rank's tokens (as
+    Megatron-LM's do).
     """
 
     def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, n_group=1, topk_group=1,
@@ -98,7 +110,7 @@ class MoELayer(nn.Cell):
                  n_shared_experts=0, shared_ffn_hidden_size=None, activation="swiglu",
                  clamp_limit=0.0, bias_update_rate=1e-3, norm_topk_prob=True,
                  shared_expert_gate=False, aux_loss_coeff=0.0, seq_aux_loss_coeff=0.0,
-                 z_loss_coeff=0.0):
+                 z_loss_coeff=0.0, expert_parallel=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoELayer: activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -125,7 +137,14 @@ class MoELayer(nn.Cell):
                                  norm_topk_prob=norm_topk_prob, bias_update_rate=bias_update_rate,
                                  aux_loss_coeff=aux_loss_coeff,
                                  seq_aux_loss_coeff=seq_aux_loss_coeff, z_loss_coeff=z_loss_coeff)
-        self.experts = MoeFFN(num_experts, hidden_size, ffn_hidden_size, activation=activation,
+        self.expert_parallel = expert_parallel
+        self.dispatcher = None
+        local_experts = num_experts
+        if expert_parallel is not None:
+            self.dispatcher = ExpertDispatcher(expert_parallel, num_experts, hidden_size)
+            local_experts = self.dispatcher.local_experts
+            self.router.count_over(expert_parallel.group)
+        self.experts = MoeFFN(local_experts, hidden_size, ffn_hidden_size, activation=activation,
                               clamp_limit=clamp_limit)
         if n_shared_experts > 0:
             shared = (cfg.shared_ffn_hidden_size or ffn_hidden_size) * n_shared_experts
@@ -134,9 +153,9 @@ class MoELayer(nn.Cell):
             self.shared_experts = None
 
     @classmethod
-    def from_config(cls, config):
-        """The MoELayer of a MoEConfig."""
-        return cls(**dataclasses.asdict(config))
+    def from_config(cls, config, expert_parallel=None):
+        """The MoELayer of a MoEConfig (its experts split over expert_parallel, if given)."""
+        return cls(**dataclasses.asdict(config), expert_parallel=expert_parallel)
 
     def construct(self, hidden):
         shape = hidden.shape
@@ -146,13 +165,17 @@ class MoELayer(nn.Cell):
         x = hidden.reshape(-1, self.hidden_size).astype(ms.float32)
         # the router sees the sequences ([B, S, H]) for its sequence-wise loss
         weights, expert_idx = self.router(x.reshape(shape))
-        permuted, position, counts = moe_ops.moe_token_permute(x.astype(dtype), expert_idx,
-                                                               self.num_experts)
-        # the routing weight of each permuted row: row position[j] holds (token, slot) j
-        n = position.shape[0]
-        row_weight = ops.scatter_nd(position.reshape(-1, 1), weights.reshape(-1), (n,))
-        y = self.experts(permuted, counts, row_weight)
-        out = moe_ops.moe_token_unpermute(y, position, top_k=self.top_k)
+        if self.dispatcher is None:
+            permuted, position, counts = moe_ops.moe_token_permute(x.astype(dtype), expert_idx,
+                                                                   self.num_experts)
+            # the routing weight of each permuted row: row position[j] holds (token, slot) j
+            n = position.shape[0]
+            row_weight = ops.scatter_nd(position.reshape(-1, 1), weights.reshape(-1), (n,))
+            y = self.experts(permuted, counts, row_weight)
+            out = moe_ops.moe_token_unpermute(y, position, top_k=self.top_k)
+        else:  # the same steps, the rows of other ranks' experts through the exchange
+            rows, counts, route = self.dispatcher.dispatch(x.astype(dtype), expert_idx)
+            out = self.dispatcher.combine(self.experts(rows, counts), weights, route)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x.astype(dtype))
         return out.reshape(shape)

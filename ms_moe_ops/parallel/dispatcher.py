@@ -1,0 +1,76 @@
+"""ExpertDispatcher: routes the tokens of an expert-parallel MoE layer to the ranks that hold
+their experts and brings the results back.
+
+One structure whatever the exchange: permute by expert -> exchange the counts -> exchange the
+rows -> (the local experts run on the rows received) -> exchange back -> unpermute.
+"""
+import mindspore as ms
+from mindspore import nn, ops
+
+from ..ops import moe_token_permute, moe_token_unpermute
+from .exchange import AllReduceExchange, AlltoAllVExchange, inverse_index, transpose_chunks_index
+
+__all__ = ["ExpertDispatcher"]
+
+
+class ExpertDispatcher(nn.Cell):
+    """Token routing of a MoE layer whose num_experts experts are split over `ep` (an
+    ExpertParallel): this rank holds experts [first, first + E/n), first = rank * E/n.
+
+    `dispatch(x [T, H], expert_idx [T, K] int32)` -> (rows, counts, route):
+      permutes the T*K (token, slot) rows by expert, gathers every rank's per-expert counts, sends
+      each row to the rank holding its expert and orders the rows received by local expert
+      (within an expert: by source rank, then token). counts int64 [E/n] are the rows of each
+      local expert. With the AllReduce exchange rows is [n*T*K, H]: the rows past sum(counts)
+      are zero padding, which the grouped kernels skip, so only experts that received rows do
+      work. route: what combine needs.
+    `combine(y, weights [T, K] float32, route)` -> [T, H]: y (the experts' output, rows as
+      dispatched) goes back to the ranks the rows came from; each token's K rows are summed,
+      weighted by its routing weights.
+
+    Every rank must call both with the same T (the AllReduce exchange has static shapes).
+    bfloat16 rows travel as float32 off Ascend (the CPU has no bfloat16 collectives or gathers).
+    """
+
+    def __init__(self, ep, num_experts, hidden_size):
+        super().__init__()
+        self.num_experts = num_experts
+        self.size = ep.size
+        self.local_experts = ep.local_experts(num_experts)
+        self.first_expert = ep.rank * self.local_experts
+        self.all_gather = ops.AllGather(group=ep.group)
+        if ep.exchange == "alltoallv":
+            self.exchange = AlltoAllVExchange(ep, hidden_size)
+        else:
+            self.exchange = AllReduceExchange(ep)
+        self.widen_bfloat16 = ms.get_context("device_target") != "Ascend"
+
+    def dispatch(self, x, expert_idx):
+        dtype = x.dtype
+        permuted, position, counts = moe_token_permute(x, expert_idx, self.num_experts)
+        # table[s, e]: rows rank s routes to expert e (every rank needs all of it to place rows)
+        table = self.all_gather(ops.stop_gradient(counts)).reshape(self.size, self.num_experts)
+        send = table.reshape(self.size, self.size, self.local_experts).sum(-1)  # rank to rank
+        mine = table[:, self.first_expert:self.first_expert + self.local_experts]  # [n, E/n]
+        plan = self.exchange.plan(send, permuted.shape[0])
+        received = self.exchange.dispatch(self._carried(permuted), plan)  # by source rank
+        # (source, expert) chunks -> (expert, source): each local expert's rows together
+        order = transpose_chunks_index(mine, received.shape[0])
+        rows = ops.gather(self._with_zero_row(received), order, 0)
+        return rows.astype(dtype), mine.sum(0), (position, plan, order)
+
+    def combine(self, y, weights, route):
+        position, plan, order = route
+        dtype = y.dtype
+        by_source = ops.gather(self._with_zero_row(self._carried(y)), inverse_index(order), 0)
+        back = self.exchange.combine(by_source, plan)
+        return moe_token_unpermute(back.astype(dtype), position, weights)
+
+    def _carried(self, rows):
+        if self.widen_bfloat16 and rows.dtype == ms.bfloat16:
+            return rows.astype(ms.float32)
+        return rows
+
+    @staticmethod
+    def _with_zero_row(rows):
+        return ops.concat((rows, ops.zeros((1, rows.shape[1]), rows.dtype)))

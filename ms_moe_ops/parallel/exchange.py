@@ -1,0 +1,129 @@
+"""Moving routed rows between the ranks of an expert-parallel group: the exchange pair and the
+index arithmetic behind it.
+
+Both implementations have the semantics of an all-to-all with uneven splits. With `send[s, d]`
+the number of rows rank s sends to rank d (an int64 [n, n] tensor every rank holds) and
+`plan = exchange.plan(send, M)` what the exchange derives from it once per step (M: the rows
+this rank sends):
+- `dispatch(x, plan)` on rank r takes x, its rows ordered by destination rank (rank 0's first),
+  and returns the rows every rank sent to r, source by source (rank 0's first);
+- `combine(y, plan)` is its transpose: y holds the rows r received, in that order, and it returns
+  r's own rows, back in the order r sent them. Each is the other's gradient.
+
+`AlltoAllVExchange` (Ascend, HCCL) is ops.AlltoAllV with exact sizes (dynamic shapes).
+`AllReduceExchange` runs wherever AllReduce does (CPU's collectives have no all-to-all kernel)
+with static shapes: each rank puts its M rows at its own offset of a zero [n*M, H] buffer, one
+AllReduce (a sum in which every row has one contributor, so exact) gives every rank all rows, and
+a gather takes its own; the result is padded with zero rows to n*M. Its way back scatters the
+rows to their origins and all-reduces again. It moves n times the data of an all-to-all and
+needs the same M on every rank.
+"""
+import mindspore as ms
+from mindspore import nn, ops
+
+__all__ = ["AllReduceExchange", "AlltoAllVExchange", "chunk_rows", "transpose_chunks_index",
+           "inverse_index"]
+
+
+def chunk_rows(sizes, starts, rows, pad):
+    """Gather index that lays chunks end to end: for c = 0, 1, ..., sizes[c] rows copied from
+    source rows starts[c], starts[c] + 1, ...; the output rows past the last chunk read row `pad`
+    (a zero row appended to the source). sizes, starts: int64 [C]. -> int64 [rows]."""
+    ends = ops.cumsum(sizes, 0)
+    shift = starts - (ends - sizes)  # source row - output row, per chunk
+    row = ops.arange(rows, dtype=ms.int64)
+    chunk = ops.searchsorted(ends, row, right=True)  # C past the last chunk
+    last = sizes.shape[0] - 1
+    src = row + ops.gather(shift, ops.minimum(chunk, last), 0)
+    return ops.where(chunk <= last, src, ops.full_like(src, pad))
+
+
+def transpose_chunks_index(sizes, rows):
+    """Gather index that reorders chunks from (i, j) to (j, i) order: the source holds chunk
+    (i, j) of sizes[i, j] rows in row-major order (i = 0 first), the result holds them with j
+    outermost; rows past the chunks read row `rows` (a zero row appended to the source).
+    sizes: int64 [a, b]. -> int64 [rows]."""
+    flat = sizes.reshape(-1)
+    starts = (ops.cumsum(flat, 0) - flat).reshape(sizes.shape).T.reshape(-1)
+    return chunk_rows(sizes.T.reshape(-1), starts, rows, rows)
+
+
+def inverse_index(index):
+    """The gather index that undoes one: index [rows] maps each output row to a distinct source
+    row, or to `rows` (padding); the result maps each source row back to its output row, and the
+    source rows no output row read to `rows`. int64 [rows]."""
+    rows = index.shape[0]
+    # scatter (position - rows), then add rows: unread source rows end at rows; the padding
+    # entries all land on the extra last element, which is dropped
+    where = ops.scatter_nd(index.reshape(-1, 1), ops.arange(rows, dtype=ms.int64) - rows, (rows + 1,))
+    return where[:rows] + rows
+
+
+class AllReduceExchange(nn.Cell):
+    """The exchange pair with static shapes from AllReduce (see the module docstring)."""
+
+    def __init__(self, ep):
+        super().__init__()
+        self.rank = ep.rank
+        self.size = ep.size
+        self.all_reduce = ops.AllReduce(group=ep.group)
+
+    def plan(self, send, m):
+        """Row of the all-reduced [n*M] buffer holding each row this rank receives (n*M past
+        them): from source s, the send[s, r] rows after those s sends to lower ranks."""
+        n, r = self.size, self.rank
+        before = ops.cumsum(send, 1) - send
+        starts = ops.arange(n, dtype=ms.int64) * m + before[:, r]
+        return chunk_rows(send[:, r], starts, n * m, n * m)
+
+    def dispatch(self, x, plan):
+        """x [M, H] -> [n*M, H]: the rows sent to this rank, then zero rows."""
+        h = x.shape[1]
+        everyone = self.all_reduce(self._place(x))
+        padded = ops.concat((everyone, ops.zeros((1, h), x.dtype)))
+        return ops.gather(padded, plan, 0)
+
+    def combine(self, y, plan):
+        """y [n*M, H] (rows past those received are ignored) -> [M, H]."""
+        rows, h = y.shape
+        m = rows // self.size
+        home = ops.scatter_nd(plan.reshape(-1, 1), y, (rows + 1, h))[:rows]  # padding: last row
+        mine = self.all_reduce(home)
+        return mine[self.rank * m:(self.rank + 1) * m]
+
+    def _place(self, x):
+        """x at rows [r*M, (r+1)*M) of an otherwise zero [n*M, H] buffer."""
+        m, h = x.shape
+        parts = []
+        if self.rank > 0:
+            parts.append(ops.zeros((self.rank * m, h), x.dtype))
+        parts.append(x)
+        if self.rank < self.size - 1:
+            parts.append(ops.zeros(((self.size - 1 - self.rank) * m, h), x.dtype))
+        return ops.concat(parts)
+
+
+class AlltoAllVExchange(nn.Cell):
+    """The exchange pair as ops.AlltoAllV (HCCL on Ascend; no CPU kernel). Exact sizes: dispatch
+    returns [R, H] with R = sum(send[:, r]) (a dynamic shape), combine [M, H]. MindSpore's
+    backward of AlltoAllV is AlltoAllV with the two lists swapped, which is the other function
+    of the pair. MindSpore documents a shape-() result when a rank receives nothing at all."""
+
+    def __init__(self, ep, hidden_size):
+        super().__init__()
+        self.rank = ep.rank
+        self.hidden_size = hidden_size
+        # block_size H: the split lists count rows of H elements
+        self.all_to_all = ops.AlltoAllV(group=ep.group, block_size=hidden_size)
+
+    def plan(self, send, m):
+        """(rows sent to each rank, rows received from each rank)."""
+        return send[self.rank], send[:, self.rank]
+
+    def dispatch(self, x, plan):
+        sent, received = plan
+        return self.all_to_all(x.reshape(-1), sent, received).reshape(-1, self.hidden_size)
+
+    def combine(self, y, plan):
+        sent, received = plan
+        return self.all_to_all(y.reshape(-1), received, sent).reshape(-1, self.hidden_size)

@@ -1,0 +1,108 @@
+"""Running a script on several local processes with MindSpore's launcher (msrun), for tests,
+benchmarks and quick experiments: a free port, a short cluster time-out, the worker logs in one
+directory, and a hard time-out after which every process of the job is ended. A failure raises
+`LaunchError` carrying the last lines of each worker's log."""
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil  # a MindSpore dependency
+
+__all__ = ["LaunchError", "msrun", "free_port", "log_tails"]
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed or timed out; the message ends with each worker log's last lines."""
+
+
+def free_port():
+    """A TCP port nobody listens on right now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tails(log_dir, lines=25):
+    """The last `lines` lines of every worker log (and of the launcher's own) in log_dir."""
+    parts = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "*.log"))):
+        with open(path, errors="replace") as f:
+            tail = f.read().splitlines()[-lines:]
+        parts.append(f"--- {os.path.basename(path)} (last {len(tail)} lines) ---\n" + "\n".join(tail))
+    return "\n".join(parts) if parts else f"(no logs in {log_dir})"
+
+
+def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_out=60, env=None):
+    """Runs `python script *args` on `workers` local processes with msrun and waits for them.
+
+    The workers import the same ms_moe_ops as the caller (its directory goes first on
+    PYTHONPATH), run in `log_dir` (a new temporary directory by default; MindSpore writes its
+    rank_<n>/ dumps there) and log there as worker_<rank>.log; `script` is taken as absolute.
+    `timeout` (seconds) bounds the whole job: past it, the launcher, the scheduler and every
+    worker are ended by process group. Returns log_dir; raises LaunchError (with the logs' last
+    lines) when the job fails or times out.
+    """
+    log_dir = log_dir or tempfile.mkdtemp(prefix="msrun_")
+    os.makedirs(log_dir, exist_ok=True)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_env = dict(os.environ if env is None else env)
+    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, run_env.get("PYTHONPATH")) if p)
+    run_env.setdefault("GLOG_v", "3")
+    cmd = [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={workers}",
+           f"--local_worker_num={workers}", f"--master_port={free_port()}", f"--log_dir={log_dir}",
+           "--join=True", f"--cluster_time_out={cluster_time_out}", "--tail_worker_log=-1",
+           os.path.abspath(script), *map(str, args)]
+    with open(os.path.join(log_dir, "msrun.log"), "w") as out:
+            launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=run_env,
+                                    cwd=log_dir, start_new_session=True)
+    try:
+        rc = launcher.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _end_job(launcher)
+        raise LaunchError(f"{os.path.basename(script)}: no result within {timeout} s on {workers} "
+                          f"processes (ended them); logs in {log_dir}\n{log_tails(log_dir)}") from None
+    finally:
+        _end_job(launcher)
+    if rc != 0:
+        raise LaunchError(f"{os.path.basename(script)} failed on {workers} processes (msrun exit "
+                          f"code {rc}); logs in {log_dir}\n{log_tails(log_dir)}")
+    return log_dir
+
+
+def _end_job(launcher):
+    """Ends the launcher and everything it started. msrun puts each worker in a session of its
+    own, so the process groups are found from the launcher's descendants, recorded first."""
+    try:
+        children = psutil.Process(launcher.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    groups = {launcher.pid}
+    for child in children:
+        try:
+            groups.add(os.getpgid(child.pid))
+        except ProcessLookupError:
+            pass
+    groups.discard(os.getpgrp())  # never the caller's own group
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [g for g in groups if _signal_group(g, sig)]
+        if not alive:
+            break
+        time.sleep(0.5 if sig == signal.SIGTERM else 0)
+    try:
+        launcher.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _signal_group(pgid, sig):
+    """Sends sig to process group pgid; False when the group is gone."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
