@@ -14,7 +14,9 @@ CONFIGS = {
     "swiglu": dict(ffn_hidden_size=6, num_experts=4, top_k=2, n_shared_experts=1),
     "fastgelu": dict(ffn_hidden_size=5, num_experts=6, top_k=3, activation="fastgelu"),
 }
-MODES = {"swiglu": ("pynative", "graph"), "fastgelu": ("pynative",)}
+# (configuration, mode, train too): forward-backward everywhere, the 5 training steps once per
+# mode (each launch costs, so not every combination)
+RUNS = (("swiglu", "pynative", False), ("swiglu", "graph", True), ("fastgelu", "pynative", True))
 STEPS = 5
 LEARNING_RATE = 0.2
 BIAS_UPDATE_RATE = 0.05

@@ -29,14 +29,12 @@ class ExpertParallel:
     def __init__(self, group=None, exchange="auto"):
         from mindspore.communication import GlobalComm, get_group_size, get_rank
 
+        if not GlobalComm.INITED:
+            raise RuntimeError("ExpertParallel: call mindspore.communication.init() first (in a "
+                               "script launched with msrun)")
         self.group = GlobalComm.WORLD_COMM_GROUP if group is None else group
-        try:
-            self.rank = get_rank(self.group)
-            self.size = get_group_size(self.group)
-        except RuntimeError as e:
-            raise RuntimeError(f"ExpertParallel: no communication group {self.group!r}; call "
-                               f"mindspore.communication.init() first (and launch the script "
-                               f"with msrun)") from e
+        self.rank = get_rank(self.group)
+        self.size = get_group_size(self.group)
         if exchange == "auto":
             exchange = "alltoallv" if ms.get_context("device_target") == "Ascend" else "allreduce"
         if exchange not in EXCHANGES:
