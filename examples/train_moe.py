@@ -8,11 +8,14 @@ and, if asked, the auxiliary losses (Switch load balancing, sequence-wise balanc
     python examples/train_moe.py                      # ~4 minutes on 2 idle CPU cores
     python examples/train_moe.py --steps 50 --experts 16 --top-k 4 --out runs/e16
     python examples/train_moe.py --router softmax --aux-loss 0.01 --z-loss 0.001 --bias-update-rate 0
+    msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=runs/msrun --join=True \
+        examples/train_moe.py --expert-parallel 2    # the experts split over 2 processes
 
 Writes to --out: the checkpoint (moe_lm.ckpt), loss.png (train/val loss), expert_load.png
 (tokens per expert over time, per layer), and prints a summary and a sampled text.
 """
 import argparse
+import builtins
 import os
 import sys
 import time
@@ -52,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--sample-chars", type=int, default=300, help="length of the sampled text")
     p.add_argument("--device", choices=("CPU", "Ascend"), default="CPU")
     p.add_argument("--mode", choices=("graph", "pynative"), default="graph")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="split every layer's experts over N processes (launch with msrun "
+                        "--worker_num=N --local_worker_num=N); each trains on its own batches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/moe_lm", help="output directory")
     return p.parse_args(argv)
@@ -64,26 +70,29 @@ def main(argv=None):
     from tqdm import tqdm
 
     import ms_moe_ops
+    from ms_moe_ops.parallel import ExpertParallelTrainStep
 
     ms.set_device(args.device)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
+    ep = start_expert_parallel(args.expert_parallel)
+    rank = 0 if ep is None else ep.rank
+    print = builtins.print if rank == 0 else (lambda *a, **k: None)  # one report: the first process
     ms.set_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seed + rank)  # each process its own batches
     os.makedirs(args.out, exist_ok=True)
 
     data = CharData()
-    moe_options = dict(score_func=args.router, aux_loss_coeff=args.aux_loss,
-                       seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss)
-    net = MoELanguageModel(data.vocab_size, args.seq_len, args.d_model, args.heads, args.layers,
-                           args.ffn, args.experts, args.top_k, args.shared_experts,
-                           args.bias_update_rate, moe_options)
+    net = build_model(args, data, ep)
     # the router losses switched on, by their name in router.aux_losses
     losses_on = [name for name, coeff in (("switch", args.aux_loss), ("sequence", args.seq_aux_loss),
                                           ("z", args.z_loss)) if coeff]
     with_loss = nn.WithLossCell(net, nn.CrossEntropyLoss())
     lr = cosine_schedule(args.lr, args.steps)
     optimizer = nn.Adam(net.trainable_params(), learning_rate=ms.Tensor(lr, ms.float32))
-    train_step = nn.TrainOneStepCell(with_loss, optimizer)
+    if ep is None:
+        train_step = nn.TrainOneStepCell(with_loss, optimizer)
+    else:  # gradients of the replicated weights averaged over the processes
+        train_step = ExpertParallelTrainStep(with_loss, optimizer, ep)
     train_step.set_train()
     evaluate = nn.WithLossCell(net, nn.CrossEntropyLoss())  # same weights, forward only
 
@@ -92,7 +101,7 @@ def main(argv=None):
           f"+ {args.shared_experts} shared, {args.router} router; {total / 1e6:.2f}M parameters, "
           f"{active / 1e6:.2f}M active per token; text: {len(data.train)} train / "
           f"{len(data.val)} val chars, vocabulary {data.vocab_size}; {args.mode} mode on "
-          f"{args.device}")
+          f"{args.device}" + (f"; experts split over {ep.size} processes" if ep else ""))
     if losses_on:
         print("router losses: " + ", ".join(f"{name} x {coeff:g}" for name, coeff in (
             ("switch", args.aux_loss), ("sequence", args.seq_aux_loss), ("z", args.z_loss))
@@ -102,20 +111,21 @@ def main(argv=None):
         losses = [float(evaluate(*tensors(data.batch("val", args.batch_size, args.seq_len, rng))))
                   for _ in range(args.eval_batches)]
         ms_moe_ops.reset_expert_load(net)  # evaluation tokens must not steer the balancing
-        return float(np.mean(losses))
+        return mean_over_ranks(float(np.mean(losses)), ep)
 
     def tensors(batch):
         return ms.Tensor(batch[0], ms.int32), ms.Tensor(batch[1].reshape(-1), ms.int32)
 
     train_losses, loads, router_losses = [], [], []
     val_points = [(0, val_loss())]
-    tokens = args.batch_size * args.seq_len
+    tokens = args.batch_size * args.seq_len * (1 if ep is None else ep.size)  # per step, all processes
     start = time.time()
     first_step_time = None
-    bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True, disable=rank != 0)
     for step in bar:
         t0 = time.time()
         loss = float(train_step(*tensors(data.batch("train", args.batch_size, args.seq_len, rng))))
+        loss = mean_over_ranks(loss, ep)
         router_losses.append(router_loss_values(net))  # this step's, before any evaluation pass
         load = ms_moe_ops.update_expert_bias(net)  # tokens per expert of this step, then rebalance
         dt = time.time() - t0
@@ -137,9 +147,10 @@ def main(argv=None):
     loads = np.stack(loads)  # [steps, layers, experts]
 
     ckpt = os.path.join(args.out, "moe_lm.ckpt")
-    ms.save_checkpoint(net, ckpt)
-    plot_losses(train_losses, val_points, os.path.join(args.out, "loss.png"))
-    plot_expert_load(loads, os.path.join(args.out, "expert_load.png"))
+    save_checkpoint(net, ckpt, ep)
+    if rank == 0:
+        plot_losses(train_losses, val_points, os.path.join(args.out, "loss.png"))
+        plot_expert_load(loads, os.path.join(args.out, "expert_load.png"))
 
     window = max(1, min(20, args.steps // 5))
     steady = (elapsed - first_step_time) / max(1, args.steps - 1)
@@ -154,7 +165,7 @@ def main(argv=None):
           f"{np.log(data.vocab_size):.3f}")
     print(f"load imbalance (max/mean tokens per expert, per layer): first {window} steps "
           f"{head_imb} -> last {window} steps {tail_imb}")
-    if losses_on:
+    if losses_on:  # with expert parallelism: the first process's tokens
         print("router losses (unscaled, mean over layers): " + ", ".join(
             f"{name} {np.mean([r[name] for r in router_losses[:window]]):.4f} -> "
             f"{np.mean([r[name] for r in router_losses[-window:]]):.4f}" for name in losses_on))
@@ -162,7 +173,7 @@ def main(argv=None):
           f"{os.path.join(args.out, 'expert_load.png')}")
 
     prompt = data.val[:args.seq_len]
-    text = net.sample(data, prompt, args.sample_chars, rng)
+    text = net.sample(data, prompt, args.sample_chars, rng)  # every process: experts are shared
     print("\n== sample (prompt from the validation text, then generated) ==")
     print(data.decode(prompt) + "|" + text)
     return {"train_loss": train_losses, "val": val_points, "loads": loads, "elapsed": elapsed,
@@ -178,6 +189,71 @@ def router_loss_values(net):
     return {name: float(np.mean([v[name] for v in values])) for name in values[0]}
 
 
+def start_expert_parallel(n):
+    """The ExpertParallel of this msrun-launched process (None for n = 1)."""
+    if n == 1:
+        return None
+    from mindspore.communication import init
+    from ms_moe_ops.parallel import ExpertParallel
+
+    init()
+    ep = ExpertParallel()
+    if ep.size != n:
+        raise SystemExit(f"--expert-parallel {n}, but msrun started {ep.size} processes "
+                         f"(--worker_num={n} --local_worker_num={n})")
+    return ep
+
+
+def build_model(args, data, ep):
+    """The language model; with expert parallelism this process's share of it, starting from
+    the same weights as one process would (its experts cut out of them)."""
+    import mindspore as ms
+    from ms_moe_ops.parallel import shard_experts
+
+    def model(expert_parallel=None):
+        moe_options = dict(score_func=args.router, aux_loss_coeff=args.aux_loss,
+                           seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss,
+                           expert_parallel=expert_parallel)
+        return MoELanguageModel(data.vocab_size, args.seq_len, args.d_model, args.heads,
+                                args.layers, args.ffn, args.experts, args.top_k,
+                                args.shared_experts, args.bias_update_rate, moe_options)
+
+    net = model()
+    if ep is None:
+        return net
+    part = model(ep)
+    ms.load_param_into_net(part, shard_experts(net.parameters_dict(), ep.rank, ep.size))
+    return part
+
+
+def mean_over_ranks(value, ep):
+    """The mean of a float over the processes (also a barrier); value itself in one process."""
+    if ep is None:
+        return value
+    import mindspore as ms
+
+    total = ms.ops.AllReduce(group=ep.group)(ms.Tensor([value], ms.float32))
+    return float(total.asnumpy()[0]) / ep.size
+
+
+def save_checkpoint(net, path, ep):
+    """The whole model at path. With expert parallelism every process writes its part
+    (moe_lm-rank<r>.ckpt) and the first joins them into a checkpoint one process loads."""
+    import mindspore as ms
+
+    if ep is None:
+        ms.save_checkpoint(net, path)
+        return
+    from ms_moe_ops.parallel import gather_experts
+
+    part = path.replace(".ckpt", "-rank{}.ckpt")
+    ms.save_checkpoint(net, part.format(ep.rank))
+    mean_over_ranks(0.0, ep)  # every part written
+    if ep.rank == 0:
+        full = gather_experts([ms.load_checkpoint(part.format(r)) for r in range(ep.size)])
+        ms.save_checkpoint([{"name": k, "data": v} for k, v in full.items()], path)
+
+
 def cosine_schedule(peak, steps, warmup_frac=0.05):
     warmup = max(1, int(steps * warmup_frac))
     s = np.arange(steps, dtype=np.float64)
@@ -187,8 +263,11 @@ def cosine_schedule(peak, steps, warmup_frac=0.05):
 
 
 def count_params(net, args):
+    """(parameters, parameters active per token) of the whole model (all processes)."""
     total = sum(int(np.prod(p.shape)) for p in net.trainable_params())
     routed = sum(int(np.prod(p.shape)) for p in net.trainable_params() if ".experts." in p.name)
+    routed *= args.expert_parallel  # each process holds 1/N of the experts
+    total += routed - routed // args.expert_parallel
     return total, total - routed + routed * args.top_k // args.experts
 
 
