@@ -114,6 +114,11 @@ def test_checkpoint_errors(rng):
     with pytest.raises(ValueError, match="'embed.weight' differs between rank 0 and rank 1"):
         gather_experts(shards)
     assert gather_experts(shards, check=False)["embed.weight"] is full["embed.weight"]
+    losses = [dict(s, **{"layers.0.moe.router.aux_losses": np.float32([r, 0, 0])})
+              for r, s in enumerate(shards)]  # a per-rank record: rank 0's, unchecked
+    assert gather_experts(losses, check=False)["layers.0.moe.router.aux_losses"][0] == 0
+    shards = [dict(s, **{"embed.weight": full["embed.weight"]}) for s in losses]
+    assert gather_experts(shards)["layers.0.moe.router.aux_losses"][0] == 0
     del shards[1]["embed.weight"]
     with pytest.raises(ValueError, match=r"'embed.weight' is missing on ranks \[1\]"):
         gather_experts(shards)

@@ -5,6 +5,8 @@ from mindspore import Parameter, Tensor
 __all__ = ["is_expert_parameter", "shard_experts", "gather_experts"]
 
 _EXPERT_PARAMS = ("weight1", "weight2", "bias1", "bias2")
+# per-rank records rather than replicated weights: the router's losses of this rank's tokens
+_PER_RANK = ("aux_losses",)
 
 
 def is_expert_parameter(name):
@@ -44,7 +46,8 @@ def gather_experts(shards, check=True):
 
     The routed experts' entries are concatenated along the expert axis; every other entry is
     taken from rank 0. check=True: a replicated entry that differs between ranks (ranks out of
-    sync) or an entry missing on a rank raises ValueError.
+    sync) or an entry missing on a rank raises ValueError. The routers' `aux_losses` (this
+    rank's last losses, different on every rank) are taken from rank 0 unchecked.
     """
     if not shards:
         raise ValueError("gather_experts: need the checkpoint of at least one rank, got none")
@@ -58,7 +61,7 @@ def gather_experts(shards, check=True):
             full = np.concatenate([_numpy(shard[name]) for shard in shards])
             out[name] = _like(value, full, name)
             continue
-        if check:
+        if check and name.split(".")[-1] not in _PER_RANK:
             reference = _numpy(value)
             for r, shard in enumerate(shards[1:], 1):
                 if not np.array_equal(_numpy(shard[name]), reference):
