@@ -11,8 +11,12 @@ RANKS = 2
 TOKENS = 6  # per rank
 HIDDEN = 8
 CONFIGS = {
-    "swiglu": dict(ffn_hidden_size=6, num_experts=4, top_k=2, n_shared_experts=1),
-    "fastgelu": dict(ffn_hidden_size=5, num_experts=6, top_k=3, activation="fastgelu"),
+    # DeepSeek-V3 like, with Qwen2-MoE's gated shared expert
+    "swiglu": dict(ffn_hidden_size=6, num_experts=4, top_k=2, n_shared_experts=1,
+                   shared_expert_gate=True),
+    # DeepSeek-V2 like router: softmax, weights not renormalised
+    "fastgelu": dict(ffn_hidden_size=5, num_experts=6, top_k=3, activation="fastgelu",
+                     score_func="softmax", norm_topk_prob=False),
 }
 # (configuration, mode, train too): forward-backward everywhere, the 5 training steps once per
 # mode (each launch costs, so not every combination)
