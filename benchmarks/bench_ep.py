@@ -18,9 +18,12 @@ import sys
 import tempfile
 
 import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from common import report, timeit
+from ms_moe_ops import MoELayer
+from ms_moe_ops.parallel import ExpertParallel, msrun
 
 
 def parse_args(argv=None):
@@ -39,17 +42,10 @@ def parse_args(argv=None):
 
 def worker(args):
     """One timed run with n = args.run_as processes; rank 0 writes its result to args.result."""
-    import mindspore as ms
-    from mindspore import Tensor, nn, ops
-
-    from common import timeit
-    from ms_moe_ops import MoELayer
-
     ms.set_device("CPU")
     n, ep, rank = args.run_as, None, 0
     if n > 1:
         from mindspore.communication import init
-        from ms_moe_ops.parallel import ExpertParallel
 
         init()
         ep = ExpertParallel()
@@ -64,7 +60,7 @@ def worker(args):
     data = np.random.default_rng(1 + rank)
     x = Tensor(data.normal(0, 1, (tokens, h)).astype(np.float32))
     cot = Tensor(data.normal(0, 1, (tokens, h)).astype(np.float32))
-    step = ForwardBackward(layer, nn, ops)
+    step = ForwardBackward(layer)
 
     def run():
         for g in step(x, cot)[1]:
@@ -73,37 +69,35 @@ def worker(args):
     seconds = timeit(run, repeat=args.repeats)
     result = dict(n=n, seconds=seconds, tokens=2 * args.tokens)
     if ep is not None:
-        result.update(exchanged_bytes(layer, x, ep, ops, ms))
+        result.update(exchanged_bytes(layer, x, ep))
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)
 
 
-def ForwardBackward(layer, nn, ops):
-    """(layer(x), gradients of sum(layer(x) * cot) with respect to x and the weights)."""
+class _Objective(nn.Cell):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
 
-    class Objective(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.layer = layer
-
-        def construct(self, x, cot):
-            return (self.layer(x) * cot).sum()
-
-    class Step(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.objective = Objective()
-            self.grad = ops.GradOperation(get_all=True, get_by_list=True)
-            self.weights = layer.trainable_params()
-
-        def construct(self, x, cot):
-            return self.grad(self.objective, self.weights)(x, cot)
-
-    return Step()
+    def construct(self, x, cot):
+        return (self.layer(x) * cot).sum()
 
 
-def exchanged_bytes(layer, x, ep, ops, ms):
+class ForwardBackward(nn.Cell):
+    """Gradients of sum(layer(x) * cot) with respect to (x, cot) and the weights."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.objective = _Objective(layer)
+        self.grad = ops.GradOperation(get_all=True, get_by_list=True)
+        self.weights = ms.ParameterTuple(layer.trainable_params())
+
+    def construct(self, x, cot):
+        return self.grad(self.objective, self.weights)(x, cot)
+
+
+def exchanged_bytes(layer, x, ep):
     """Bytes this process exchanges per forward+backward step, from the routing of x (rank 0's
     view; the rows routed off-rank are averaged over the ranks)."""
     _, expert_idx = layer.router(x)
@@ -134,8 +128,6 @@ def launch(args, n, out_dir):
         subprocess.run([sys.executable] + cmd, check=True, timeout=1200, cwd=out_dir,
                        env=dict(os.environ, GLOG_v="3"))
     else:
-        from ms_moe_ops.parallel import msrun
-
         one_core = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         msrun(cmd[0], cmd[1:], workers=n, timeout=1200, log_dir=os.path.join(out_dir, f"round{n}"),
               env=one_core)
@@ -147,7 +139,6 @@ def main():
     args = parse_args()
     if args.run_as:
         return worker(args)
-    from common import report
 
     runs = {1: [], 2: []}
     with tempfile.TemporaryDirectory(prefix="bench_ep_") as out_dir:
