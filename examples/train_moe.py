@@ -173,7 +173,7 @@ def main(argv=None):
           f"{os.path.join(args.out, 'expert_load.png')}")
 
     prompt = data.val[:args.seq_len]
-    text = net.sample(data, prompt, args.sample_chars, rng)  # every process: experts are shared
+    text = net.sample(data, prompt, args.sample_chars, rng)  # on every process: each holds experts
     print("\n== sample (prompt from the validation text, then generated) ==")
     print(data.decode(prompt) + "|" + text)
     return {"train_loss": train_losses, "val": val_points, "loads": loads, "elapsed": elapsed,
