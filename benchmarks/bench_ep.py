@@ -35,7 +35,8 @@ def parse_args(argv=None):
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=2, help="turns of n=1 then n=2")
-    ap.add_argument("--run-as", type=int, choices=(1, 2), help=argparse.SUPPRESS)  # a worker of n processes
+    # a worker of a run with n processes (msrun's own options take every prefix of --worker)
+    ap.add_argument("--run-as", type=int, choices=(1, 2), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -152,17 +153,20 @@ def main():
           f"(median of {args.rounds} rounds x {args.repeats} steps)")
     for n, rs in runs.items():
         print(f"  n={n}: rounds " + ", ".join(f"{r['seconds'] * 1e3:.1f} ms" for r in rs))
-    report("tokens/s", [(f"n=1 (1 process, {args.experts} experts)", seconds[1],
-                         f"{tokens / seconds[1]:.0f} tokens/s"),
+    one = f"n=1 (1 process, {args.experts} experts)"
+    report("tokens/s", [(one, seconds[1], f"{tokens / seconds[1]:.0f} tokens/s"),
                         (f"n=2 (2 processes, {args.experts // 2} experts each)", seconds[2],
-                         f"{tokens / seconds[2]:.0f} tokens/s")], f"n=1 (1 process, {args.experts} experts)")
+                         f"{tokens / seconds[2]:.0f} tokens/s")], one)
     b = runs[2][-1]
     mb = 1 / 2 ** 20
     print(f"\nbytes exchanged per step and process (n=2): {b['off_rank_rows']:.0f} of "
           f"{b['routed_rows']} routed rows go to the other process")
-    print(f"  AlltoAllV (Ascend), rows there and back, forward and backward: {b['alltoallv'] * mb:8.2f} MiB")
-    print(f"  AllReduce exchange (CPU), 4 all-reduced buffers:               {b['allreduce'] * mb:8.2f} MiB")
-    print(f"  counts (AllGather + the router's AllReduce):                   {b['counts']} bytes")
+    for what, value in (
+            ("AlltoAllV (Ascend), rows there and back, forward and backward",
+             f"{b['alltoallv'] * mb:8.2f} MiB"),
+            ("AllReduce exchange (CPU), 4 all-reduced buffers", f"{b['allreduce'] * mb:8.2f} MiB"),
+            ("counts (AllGather + the router's AllReduce)", f"{b['counts']:8d} bytes")):
+        print(f"  {what:<64} {value}")
 
 
 if __name__ == "__main__":

@@ -118,7 +118,8 @@ def main(argv=None):
 
     train_losses, loads, router_losses = [], [], []
     val_points = [(0, val_loss())]
-    tokens = args.batch_size * args.seq_len * (1 if ep is None else ep.size)  # per step, all processes
+    # per step, all processes
+    tokens = args.batch_size * args.seq_len * (1 if ep is None else ep.size)
     start = time.time()
     first_step_time = None
     bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True, disable=rank != 0)

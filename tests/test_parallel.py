@@ -54,9 +54,10 @@ def test_chunk_rows_lays_chunks_end_to_end(mode):
 # -- checkpoints --------------------------------------------------------------------------------
 
 def _checkpoint(rng, experts=4):
-    shapes = {"layers.0.moe.router.weight": (experts, 3), "layers.0.moe.router.expert_bias": (experts,),
-              "layers.0.moe.experts.weight1": (experts, 3, 4), "layers.0.moe.experts.weight2": (experts, 2, 3),
-              "layers.0.moe.shared_experts.weight1": (3, 4), "moment1.layers.0.moe.experts.weight1": (experts, 3, 4),
+    moe = "layers.0.moe."
+    shapes = {moe + "router.weight": (experts, 3), moe + "router.expert_bias": (experts,),
+              moe + "experts.weight1": (experts, 3, 4), moe + "experts.weight2": (experts, 2, 3),
+              moe + "shared_experts.weight1": (3, 4), "moment1." + moe + "experts.weight1": (experts, 3, 4),
               "embed.weight": (5, 3)}
     return {k: rng.normal(0, 1, s).astype(np.float32) for k, s in shapes.items()}
 

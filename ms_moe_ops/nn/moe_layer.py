@@ -99,7 +99,8 @@ class MoELayer(nn.Cell):
     replicated. Each rank feeds its own tokens (the same number on every rank) and gets the
     output of its own tokens; the rows routed to other ranks' experts travel through
     `ep.exchange`. The expert gradients are complete on their rank, the router's and shared
-    experts' are this rank's part (`ms_moe_ops.parallel.ExpertParallelTrainStep` all-reduces them).
+    experts' are this rank's part (`ms_moe_ops.parallel.ExpertParallelTrainStep` all-reduces
+    them).
     `router.tokens_per_expert` counts the tokens of all ranks, so `update_expert_bias` keeps
     every rank's expert_bias the same; the training losses use this rank's tokens (as
     Megatron-LM's do).

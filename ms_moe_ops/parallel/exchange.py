@@ -55,8 +55,9 @@ def inverse_index(index):
     rows = index.shape[0]
     # scatter (position - rows), then add rows: unread source rows end at rows; the padding
     # entries all land on the extra last element, which is dropped
-    where = ops.scatter_nd(index.reshape(-1, 1), ops.arange(rows, dtype=ms.int64) - rows, (rows + 1,))
-    return where[:rows] + rows
+    position = ops.arange(rows, dtype=ms.int64)
+    back = ops.scatter_nd(index.reshape(-1, 1), position - rows, (rows + 1,))
+    return back[:rows] + rows
 
 
 class AllReduceExchange(nn.Cell):

@@ -33,7 +33,8 @@ def log_tails(log_dir, lines=25):
     for path in sorted(glob.glob(os.path.join(log_dir, "*.log"))):
         with open(path, errors="replace") as f:
             tail = f.read().splitlines()[-lines:]
-        parts.append(f"--- {os.path.basename(path)} (last {len(tail)} lines) ---\n" + "\n".join(tail))
+        name = os.path.basename(path)
+        parts.append(f"--- {name} (last {len(tail)} lines) ---\n" + "\n".join(tail))
     return "\n".join(parts) if parts else f"(no logs in {log_dir})"
 
 
@@ -51,7 +52,8 @@ def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_ou
     os.makedirs(log_dir, exist_ok=True)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run_env = dict(os.environ if env is None else env)
-    run_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, run_env.get("PYTHONPATH")) if p)
+    paths = (package_root, run_env.get("PYTHONPATH"))
+    run_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     run_env.setdefault("GLOG_v", "3")
     cmd = [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={workers}",
            f"--local_worker_num={workers}", f"--master_port={free_port()}", f"--log_dir={log_dir}",
@@ -65,7 +67,8 @@ def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_ou
     except subprocess.TimeoutExpired:
         _end_job(launcher)
         raise LaunchError(f"{os.path.basename(script)}: no result within {timeout} s on {workers} "
-                          f"processes (ended them); logs in {log_dir}\n{log_tails(log_dir)}") from None
+                          f"processes (ended them); logs in {log_dir}\n"
+                          f"{log_tails(log_dir)}") from None
     finally:
         _end_job(launcher)
     if rc != 0:
