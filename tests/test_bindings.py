@@ -1,125 +1,184 @@
-"""Ascend bindings against the aclnn prototypes: kernel name, positional order, argument kinds.
-
-There is no Ascend device here; these tests check what can be checked on a CPU: the declaration
-of every aclnn-backed operator and the CustomRegOp registration built from it.
-"""
+"""Ascend aclnn bindings against the kernels' prototypes (tests/data/aclnn_prototypes.json, each
+with its source): argument order; which arguments are device tensors, host arrays or scalars;
+each scalar's C type; and what MindSpore 2.10's own aclnn code generator makes of the
+registration. There is no Ascend device here: these are the checks a CPU can make."""
+import dataclasses
+import json
 import os
 import re
 
 import pytest
+from mindspore.ops.operations._custom_ops_utils import CustomCodeGenerator
 
-from ms_moe_ops.ops import ffn, gating, swiglu
-from ms_moe_ops.ops._op import aclnn_reg_info
+from ms_moe_ops.ops import OPERATORS, _impls
+from ms_moe_ops.ops._op import ACLNN_SCALARS, AclnnBinding, Attr, OpDef
+from ms_moe_ops.ops.ffn import MOE_FFN
+from ms_moe_ops.ops.swiglu import SWIGLU_GROUP_QUANT_GRAD
 
-# First-stage prototypes (outputs and the workspace/executor arguments included, as documented).
-PROTOTYPES = {
-    "aclnnMoeGatingTopKBackward": (
-        gating.GATING_BACKWARD,
-        "aclnnMoeGatingTopKBackwardGetWorkspaceSize(const aclTensor *xNorm, const aclTensor *gradY, "
-        "const aclTensor *expertIdx, int64_t renorm, int64_t normType, double routedScalingFactor, "
-        "double eps, const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor)",
-        "aclnnMoeGatingTopKBackward.md", ()),
-    "aclnnMoeGatingTopK": (
-        gating.GATING_TOP_K,
-        "aclnnMoeGatingTopKGetWorkspaceSize(const aclTensor *x, const aclTensor *biasOptional, "
-        "int64_t k, int64_t kGroup, int64_t groupCount, int64_t groupSelectMode, int64_t renorm, "
-        "int64_t normType, bool outFlag, double routedScalingFactor, double eps, "
-        "const aclTensor *yOut, const aclTensor *expertIdxOut, const aclTensor *outOut, "
-        "uint64_t *workspaceSize, aclOpExecutor **executor)",
-        None, ()),
-    "aclnnSwigluGroupQuantGrad": (
-        swiglu.SWIGLU_GROUP_QUANT_GRAD,
-        "aclnnSwigluGroupQuantGradGetWorkspaceSize(const aclTensor *gradY, const aclTensor *x, "
-        "const aclTensor *weightOptional, const aclTensor *yOriginOptional, "
-        "const aclIntArray *groupIndexOptional, double clampLimit, const aclTensor *gradXOut, "
-        "const aclTensor *gradWeightOutOptional, uint64_t *workspaceSize, aclOpExecutor **executor)",
-        "aclnnSwigluGroupQuantGrad.md", ()),
-    # expertTokens is a host aclIntArray; the biases and quantisation tensors are documented as
-    # optional ("可选") without the Optional suffix.
-    "aclnnMoeFFN": (
-        ffn.MOE_FFN,
-        "aclnnMoeFFNGetWorkspaceSize(const aclTensor *x, const aclIntArray *expertTokens, "
-        "const aclTensor *weight1, const aclTensor *bias1, const aclTensor *weight2, "
-        "const aclTensor *bias2, const aclTensor *scale, const aclTensor *offset, "
-        "const aclTensor *deqScale1, const aclTensor *deqScale2, char *activation, "
-        "const aclTensor *y, uint64_t *workspaceSize, aclOpExecutor **executor)",
-        "aclnnMoeFFN.md", ("bias1", "bias2", "scale", "offset", "deq_scale1", "deq_scale2")),
-}
-
-_KINDS = {"int64_t": int, "double": float, "float": float, "bool": bool, "char": str}
+_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "aclnn_prototypes.json")
+PROTOTYPES = json.load(open(_DATA, encoding="utf-8"))["prototypes"]
+BOUND = {p["kernel"]: p for p in PROTOTYPES if p["bound"]}
+ACLNN = [(op, impl) for op in OPERATORS for impl in op.impls if impl.name == "aclnn"]
 
 
-def parse_prototype(text):
-    """[(snake_name, kind)] of the inputs: kind 'tensor', 'optional' or a Python type."""
-    args = re.search(r"\((.*)\)", text, re.S).group(1)
-    parsed = []
-    for arg in args.split(","):
-        words = arg.replace("*", " ").split()
-        ctype, name = words[-2], words[-1]
-        if name in ("workspaceSize", "executor"):
-            continue
+def parse_prototype(entry):
+    """[(snake_name, C type, optional)] of the call arguments: outputs, workspaceSize and
+    executor dropped."""
+    args = re.search(r"\((.*)\)", entry["prototype"], re.S).group(1).split(",")
+    params = []
+    for arg in args[:len(args) - 2 - entry["outputs"]]:
+        words = arg.replace("*", " * ").split()
+        name, ctype = words[-1], " ".join(w for w in words[:-1] if w != "const").replace(" *", "*")
         optional = name.endswith("Optional")
-        name = re.sub(r"Optional$", "", name)
-        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-        if ctype in ("aclTensor", "aclIntArray"):
-            parsed.append((snake, "optional" if optional else "tensor"))
-        else:
-            parsed.append((snake, _KINDS[ctype]))
-    return parsed
+        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", re.sub(r"Optional$", "", name)).lower()
+        params.append((snake, ctype.replace(" ", ""), optional))
+    return params
 
 
-def _normalised(text):
-    return re.sub(r"\s+", " ", text).replace("( ", "(").replace(" )", ")")
+def problems(op, args, entry):
+    """Why a binding (its (name, kind) arguments) cannot call the prototype `entry`."""
+    params = parse_prototype(entry)
+    found = []
+    if [a for a, _ in args] != [p for p, _, _ in params]:
+        found.append(f"argument order {[a for a, _ in args]} != {[p for p, _, _ in params]}")
+    for (arg, kind), (_, ctype, optional) in zip(args, params):
+        if kind == "tensor":
+            if ctype == "aclIntArray*":
+                found.append(f"'{arg}': the kernel takes a host aclIntArray, the binding passes a "
+                             f"device tensor")
+            elif ctype != "aclTensor*":
+                found.append(f"'{arg}': the kernel takes {ctype}, the binding passes a tensor")
+            elif optional != (arg in op.optional):
+                found.append(f"'{arg}': optional in the prototype: {optional}, in the op: "
+                             f"{arg in op.optional}")
+        elif ctype == "char*":
+            found.append(f"'{arg}': a char* cannot cross a Custom aclnn registration")
+        elif ACLNN_SCALARS.get(kind) != ctype:
+            found.append(f"'{arg}': registered as {kind} ({ACLNN_SCALARS.get(kind)}), the kernel "
+                         f"takes {ctype}")
+    return found
 
 
-def _seed_text(name):
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "shared", "seeds", name)
-    return open(path, encoding="utf-8").read() if os.path.exists(path) else None
+def prototype_types(entry):
+    """The C types of every argument, as MindSpore's generator reads them from a header."""
+    args = re.search(r"\((.*)\)", entry["prototype"], re.S).group(1).split(",")
+    return [re.search(r"^\s*(\w+\s*\*+|\w+)", a.replace("const ", "")).group(1).replace(" ", "")
+            for a in args]
 
 
-@pytest.mark.parametrize("aclnn", sorted(PROTOTYPES))
-def test_binding_matches_prototype(aclnn):
-    op, prototype, seed, documented_optional = PROTOTYPES[aclnn]
-    if seed and _seed_text(seed) is not None:
-        assert _normalised(prototype) in _normalised(_seed_text(seed)), "prototype differs from the seed"
-    assert op.aclnn == aclnn
-    params = parse_prototype(prototype)
-    params = params[:len(params) - len(op.outputs)]  # outputs are not call arguments
-    assert tuple(name for name, _ in params) == op.aclnn_args
-    attrs = {a.name: a.kind for a in op.attrs}
-    for name, kind in params:
-        if kind in ("tensor", "optional"):
-            assert name in op.inputs
-            optional = kind == "optional" or name in documented_optional
-            assert (name in op.optional) == optional, name
-        else:
-            assert attrs[name] is kind, (name, attrs[name], kind)
+def test_every_aclnn_binding_has_its_prototype():
+    assert sorted(impl.binding.kernel for _, impl in ACLNN) == sorted(BOUND)
 
 
-@pytest.mark.parametrize("aclnn", sorted(PROTOTYPES))
-def test_reg_info_lists_arguments_in_order(aclnn):
-    op = PROTOTYPES[aclnn][0]
-    attrs = op.resolve(**({"k": 2} if op is gating.GATING_TOP_K else {}))
-    if op is swiglu.SWIGLU_GROUP_QUANT_GRAD:
-        assert attrs["clamp_limit"] == -1.0  # the Ascend kernel rejects 0: -1 means "off"
-    info = aclnn_reg_info(op, attrs)
-    assert info["op_name"] == aclnn and info["target"] == "Ascend"
-    assert [i["name"] for i in info["inputs"]] == list(op.inputs)
-    assert [a["name"] for a in info["attr"]] == list(op.aclnn_args[len(op.inputs):])
-    assert [o["name"] for o in info["outputs"]] == list(op.outputs)
-    for a in info["attr"]:
-        assert a["value"] == attrs[a["name"]]
+@pytest.mark.parametrize("kernel", sorted(BOUND))
+def test_binding_matches_prototype(kernel):
+    op, impl = next((op, impl) for op, impl in ACLNN if impl.binding.kernel == kernel)
+    assert problems(op, impl.binding.args, BOUND[kernel]) == []
 
 
-def test_scalars_follow_tensors_on_ascend(monkeypatch):
-    from ms_moe_ops.ops import _op
-    monkeypatch.setattr(_op, "_device_target", lambda: "Ascend")
-    monkeypatch.setattr(_op, "_build", lambda op, attrs, target: ("prim", target))
-    _op._bind.cache_clear()
-    try:
-        prim, scalars = _op._bind(gating.GATING_BACKWARD, routed_scaling_factor=2.5, eps=1e-20)
-        assert prim == ("prim", "Ascend")
-        assert scalars == (0, 1, 2.5, 1e-20)
-    finally:
-        _op._bind.cache_clear()
+@pytest.mark.parametrize("kernel", sorted(BOUND))
+def test_registration_is_what_mindspore_generates_from_the_header(kernel):
+    # MindSpore 2.10 builds the call from the installed header when it finds it, else from the
+    # registration: both must give the prototype's types, and the generator must accept them
+    op, impl = next((op, impl) for op, impl in ACLNN if impl.binding.kernel == kernel)
+    info = _impls.aclnn_reg_info(op, impl.binding)
+    header = prototype_types(BOUND[kernel])
+    generator = CustomCodeGenerator()
+    assert generator.get_api_types_by_reg_info(info)[:-2] == header[:-2]
+    code = generator.generate_callback_by_types(kernel, info, header)
+    assert f"{kernel}GetWorkSpaceSize" in code
+
+
+def test_checks_find_the_known_mismatches():
+    # the document's own SwiGLU prototype (aclIntArray groupIndex) and aclnnMoeFFN cannot be bound
+    swiglu_doc = next(p for p in PROTOTYPES if p["kernel"] == "aclnnSwigluGroupQuantGrad"
+                      and not p["bound"])
+    found = problems(SWIGLU_GROUP_QUANT_GRAD, SWIGLU_GROUP_QUANT_GRAD.impl("aclnn").binding.args,
+                     swiglu_doc)
+    assert found == ["'group_index': the kernel takes a host aclIntArray, the binding passes a "
+                     "device tensor"]
+    moe_ffn_doc = next(p for p in PROTOTYPES if p["kernel"] == "aclnnMoeFFN")
+    naive = tuple((name, "tensor") for name in MOE_FFN.inputs) + (("activation", "str"),)
+    found = problems(MOE_FFN, naive, moe_ffn_doc)
+    assert any("'expert_tokens'" in f and "aclIntArray" in f for f in found)
+    assert any("'activation'" in f and "char*" in f for f in found)
+    # a double registered as float is found too
+    op, impl = next((op, impl) for op, impl in ACLNN if impl.binding.kernel ==
+                    "aclnnMoeGatingTopKBackward")
+    as_float = tuple((a, "float" if k == "double" else k) for a, k in impl.binding.args)
+    assert problems(op, as_float, BOUND["aclnnMoeGatingTopKBackward"]) == [
+        "'routed_scaling_factor': registered as float (float), the kernel takes double",
+        "'eps': registered as float (float), the kernel takes double"]
+
+
+def test_no_aclnn_binding_for_moe_ffn():
+    assert MOE_FFN.impl("aclnn") is None
+
+
+def test_a_string_cannot_be_registered():
+    impl = _impls.aclnn("aclnnX", "x, mode:str", socs=("A2",), dtypes=[("float32", "float32")])
+    with pytest.raises(TypeError, match="'mode' has type 'str'"):
+        OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
+              impls=(impl,), attrs=(Attr("mode", str, "a"),))
+
+
+def test_every_scalar_type_is_one_mindspore_can_pass():
+    for _, impl in ACLNN:
+        for _, kind in impl.binding.args:
+            assert kind == "tensor" or kind in ACLNN_SCALARS
+
+
+class _Recorder:
+    """Stands in for ops.Custom: records the registration, returns the call's arguments."""
+    made = []
+
+    def __init__(self, func, out_shape=None, out_dtype=None, func_type=None, bprop=None,
+                 reg_info=None):
+        self.reg_info = reg_info
+        _Recorder.made.append(self)
+
+    def __call__(self, *args):
+        return args
+
+
+@pytest.mark.parametrize("clamp,sent", [(0.0, -1.0), (-3.0, -1.0), (2.5, 2.5)])
+def test_clamp_off_reaches_the_aclnn_kernel_as_minus_one(monkeypatch, clamp, sent):
+    # aclnnSwigluGroupQuantGrad reads -1 as "off" and rejects 0; the CPU kernel keeps the value
+    monkeypatch.setattr(_impls.ops, "Custom", _Recorder)
+    monkeypatch.setattr(_Recorder, "made", [])
+    op = SWIGLU_GROUP_QUANT_GRAD
+    attrs = op.resolve(clamp_limit=clamp)
+    assert attrs["clamp_limit"] == clamp
+    call = op.impl("aclnn").build(op, attrs)
+    assert call(("gy", "x", None, None, None)) == ("gy", "x", None, None, None, sent)
+    info = _Recorder.made[-1].reg_info
+    assert [(a["name"], a["type"]) for a in info["attr"]] == [("clamp_limit", "double")]
+    assert all("value" not in a for a in info["attr"])  # values travel as call inputs
+
+
+def test_sigmoid_router_tells_the_kernel_renorm_0(monkeypatch):
+    # aclnnMoeGatingTopK supports renorm=0 only; sigmoid renormalises whatever renorm says
+    monkeypatch.setattr(_impls.ops, "Custom", _Recorder)
+    monkeypatch.setattr(_Recorder, "made", [])
+    op = next(op for op, impl in ACLNN if impl.binding.kernel == "aclnnMoeGatingTopK")
+    call = op.impl("aclnn").build(op, op.resolve(k=2, renorm=1, norm_type=1, eps=1e-6))
+    assert call(("x", None)) == ("x", None, 2, 1, 1, 0, 0, 1, True, 1.0, 1e-6)
+
+
+def test_dtype_rows_cover_absent_optional_inputs():
+    op = SWIGLU_GROUP_QUANT_GRAD
+    rows = _impls.dtype_rows(op, op.impl("aclnn").binding.dtypes)
+    assert len(rows) == 3 * 2 ** 3 and len(set(rows)) == len(rows)
+    assert ("float16", "float16", None, None, None, "float16", "float32") in rows
+
+
+def test_binding_declaration_is_checked():
+    bad = AclnnBinding("aclnnX", (("k", "int"), ("x", "tensor")), (("float32", "float32"),))
+    impl = _impls.aclnn("aclnnX", "x", socs=("A2",), dtypes=[("float32", "float32")])
+    with pytest.raises(ValueError, match="inputs"):
+        OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
+              impls=(dataclasses.replace(impl, binding=bad),), attrs=(Attr("k", int, 1),))
+    short = dataclasses.replace(impl, binding=impl.binding._replace(dtypes=(("float32",),)))
+    with pytest.raises(ValueError, match="dtype"):
+        OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
+              impls=(short,))

@@ -7,7 +7,7 @@ from mindspore import Tensor, nn
 from ms_moe_ops import GatingTopK, moe_gating_top_k, moe_gating_top_k_backward
 from ms_moe_ops import reference as ref
 from ms_moe_ops.ops.gating import GATING_SOFTMAX_BACKWARD
-from conftest import assert_close, finite_diff, grad, numpy, rounded, run, tensor
+from conftest import assert_close, cpu_only, finite_diff, grad, numpy, rounded, run, tensor
 
 RNG = np.random.default_rng(0)
 
@@ -139,7 +139,7 @@ def test_backward_sums_duplicates():
 
 
 @pytest.mark.parametrize("renorm", [0, 1])
-def test_softmax_backward_kernel_matches_composition(renorm):
+def test_softmax_backward_kernel_matches_golden(renorm):
     xn = ref._softmax(RNG.normal(size=(5, 12))).astype(np.float32)
     gy = RNG.normal(size=(5, 3)).astype(np.float32)
     idx = np.array([RNG.permutation(12)[:3] for _ in range(5)], np.int32)
@@ -147,10 +147,8 @@ def test_softmax_backward_kernel_matches_composition(renorm):
     args = (Tensor(xn), Tensor(gy), Tensor(idx))
     attrs = dict(renorm=renorm, routed_scaling_factor=1.5, eps=1e-6)
     out = numpy(GATING_SOFTMAX_BACKWARD(*args, **attrs))
-    composed = numpy(GATING_SOFTMAX_BACKWARD.ascend(GATING_SOFTMAX_BACKWARD.resolve(**attrs))(*args))
     expected = ref.moe_gating_top_k_softmax_backward(xn, gy, idx, **attrs)
     assert_close(out, expected)
-    assert_close(composed, expected)
 
 
 # -- gradient of the forward against finite differences ------------------------------------------
@@ -226,6 +224,7 @@ def test_backward_bad_inputs(call, error, words):
         call()
 
 
+@cpu_only("a data fault is found by this package's CPU kernels")
 @pytest.mark.parametrize("bad", [-1, 8, 2 ** 31 - 1])
 def test_backward_index_out_of_range_is_a_clean_error(bad, mode):
     idx = SEED_IDX.copy()

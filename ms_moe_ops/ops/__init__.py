@@ -1,9 +1,17 @@
 """Functional API: every operator of the package (declarations and kernels: one module each)."""
-from .ffn import moe_ffn
-from .gating import moe_gating_top_k, moe_gating_top_k_backward
-from .grouped_matmul import grouped_matmul
-from .permute import moe_token_permute, moe_token_unpermute, moe_token_unpermute_backward
-from .swiglu import swiglu_group, swiglu_group_quant_grad
+from .ffn import FFN_ACTIVATION_GRAD, MOE_FFN, moe_ffn
+from .gating import (GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_TOP_K, moe_gating_top_k,
+                     moe_gating_top_k_backward)
+from .grouped_matmul import GROUPED_MATMUL, grouped_matmul
+from .permute import (PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD, moe_token_permute,
+                      moe_token_unpermute, moe_token_unpermute_backward)
+from .swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD, swiglu_group, swiglu_group_quant_grad
+
+# Every operator declaration (OpDef), public operators first: what the resolver, the tests and
+# the README's implementation table go through.
+OPERATORS = (GATING_TOP_K, GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, SWIGLU_GROUP,
+             SWIGLU_GROUP_QUANT_GRAD, MOE_FFN, FFN_ACTIVATION_GRAD, GROUPED_MATMUL, PERMUTE,
+             UNPERMUTE, UNPERMUTE_BACKWARD)
 
 __all__ = [
     "moe_gating_top_k", "moe_gating_top_k_backward",

@@ -1,28 +1,49 @@
-"""The operator pattern: one declaration per operator, one builder for every backend.
+"""The operator pattern: one declaration per operator, several implementations, one resolver.
 
 An `OpDef` holds everything about an operator once: inputs (optional ones marked), typed
-attributes with defaults, outputs, shape/dtype inference with all validation, the CPU kernel
-symbol, the Ascend binding (an aclnn kernel with its positional argument order, or a composition
-of MindSpore ops) and the bprop. Calling an OpDef builds (once, cached) the primitive for the
-current device target and applies it; nothing else in the package repeats a signature.
+attributes with defaults, outputs, shape/dtype inference with all validation, the bprop, and its
+implementations in order of preference (`Impl`: the CPU kernel, an aclnn kernel, a MindSpore
+built-in primitive, a composition of MindSpore ops). Calling an OpDef resolves the implementation
+for the call, builds it once (cached per attribute set) and applies it; nothing else in the
+package repeats a signature.
+
+Resolution rules (`choose`):
+- MS_MOE_OPS_IMPL=<name> forces the implementation of that name on every operator that has one:
+  if it cannot run here or refuses the call, the error surfaces (ValueError). Operators without
+  one resolve as usual.
+- Otherwise the first declared implementation that runs on this device target, Ascend SoC family
+  and execution mode, and whose `supports(attrs, args)` accepts the call, is chosen. A fallback
+  (a preferred implementation of this device passed over) is logged at INFO with the reasons,
+  other choices at DEBUG (logger "ms_moe_ops").
+- If none fits: NotImplementedError naming the platform and every implementation's reason.
+Choices are cached per (operator, attributes, target, SoC, mode, override, input dtypes/shapes).
 """
 import functools
-import glob
-import os
+import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
-import mindspore as ms
-from mindspore import ops
+from mindspore import nn
+from mindspore.ops import functional as F
 
-from ._checks import dtype_name, to_mstype
+from . import _platform
+from ._checks import dtype_name
 
-_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
+_log = logging.getLogger("ms_moe_ops")
+
+# Implementation names (MS_MOE_OPS_IMPL takes one of them)
+KERNEL, ACLNN, BUILTIN, COMPOSITION = "kernel", "aclnn", "builtin", "composition"
+IMPL_NAMES = (KERNEL, ACLNN, BUILTIN, COMPOSITION)
+MODES = (_platform.GRAPH, _platform.PYNATIVE)
+# C types a scalar can have when it crosses a Custom aclnn registration, by reg-info type. There
+# is no string: MindSpore's aclnn path cannot pass a char*.
+ACLNN_SCALARS = {"int": "int64_t", "bool": "bool", "float": "float", "double": "double"}
 
 
 @dataclass(frozen=True)
 class Attr:
-    """A typed attribute. `kind` is bool, int, float or str; floats reach the kernel as float32."""
+    """A typed attribute. `kind` is bool, int, float or str; floats reach the CPU kernel as
+    float32 (an aclnn binding declares its own C type for each scalar)."""
     name: str
     kind: type
     default: object
@@ -38,7 +59,61 @@ class Attr:
         return kind(value)
 
 
-@dataclass(frozen=True)
+class AclnnBinding(NamedTuple):
+    """How an aclnn kernel is called: its name, its call arguments in the prototype's order as
+    (name, "tensor" or a reg-info scalar type), and the dtype combinations it is called with
+    (inputs then outputs)."""
+    kernel: str
+    args: Tuple[Tuple[str, str], ...]
+    dtypes: Tuple[Tuple[str, ...], ...]
+
+
+class TensorInfo(NamedTuple):
+    """What an implementation's `supports` sees of an input: dtype name and shape (-1 for a
+    dimension only known at run time)."""
+    dtype: str
+    shape: Tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: declared once
+class Impl:
+    """One way to run an operator.
+
+    name: one of IMPL_NAMES. target: the device target it runs on ("CPU", "Ascend"), None for
+    any. socs: the Ascend SoC families (see _platform), None for any. modes: execution modes.
+    build(op, attrs) -> f(inputs) applying the operator to the tuple of inputs.
+    supports(attrs, args) -> (ok, reason), args mapping each input name to a TensorInfo (None
+    when absent): the implementation's own limits, checked before it is chosen.
+    grad: "op" (the OpDef's bprop, attached by the resolver), "self" (the built callable brings
+    its gradient: a Custom primitive with the bprop attached, or MindSpore's autodiff of it), or
+    a function (attrs) -> bprop used instead of the OpDef's.
+    binding: aclnn only: its AclnnBinding.
+    """
+    name: str
+    build: Callable
+    target: Optional[str] = None
+    socs: Optional[Tuple[str, ...]] = None
+    modes: Tuple[str, ...] = MODES
+    supports: Optional[Callable] = None
+    grad: object = "op"
+    binding: Optional[AclnnBinding] = None
+
+    def __post_init__(self):
+        if self.name not in IMPL_NAMES:
+            raise ValueError(f"Impl: name must be one of {IMPL_NAMES}, got {self.name!r}")
+
+    def unavailable(self, target, soc, mode):
+        """Why this implementation cannot run on (target, soc, mode), or '' when it can."""
+        if self.target is not None and target != self.target:
+            return f"runs on {self.target} only"
+        if self.socs is not None and soc not in self.socs:
+            return f"runs on {'/'.join(self.socs)} only"
+        if mode not in self.modes:
+            return f"runs in {'/'.join(self.modes)} mode only"
+        return ""
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: declared once
 class OpDef:
     """Declaration of one operator.
 
@@ -46,25 +121,27 @@ class OpDef:
     output dtype names receive one entry per input (None for an absent optional input); dtypes
     are names such as "float32". They raise TypeError/ValueError for bad input. check_attrs(attrs)
     validates attribute values alone. bprop(attrs) returns the bprop function
-    f(*inputs, out, dout) -> one gradient per input.
+    f(*inputs, out, dout) -> one gradient per input. impls: the implementations, preferred first.
     """
     name: str
     inputs: Tuple[str, ...]
     outputs: Tuple[str, ...]
     infer: Callable
     infer_dtype: Callable
-    cpu: str
+    impls: Tuple[Impl, ...]
     attrs: Tuple[Attr, ...] = ()
     optional: Tuple[str, ...] = ()
     check_attrs: Optional[Callable] = None
     bprop: Optional[Callable] = None
-    # Ascend: the aclnn kernel and its positional order (input and attribute names), or a function
-    # (attrs) -> f(*inputs) composed of MindSpore ops.
-    aclnn: Optional[str] = None
-    aclnn_args: Tuple[str, ...] = ()
-    ascend: Optional[Callable] = None
 
-    # -- attributes -------------------------------------------------------------------------
+    def __post_init__(self):
+        names = [impl.name for impl in self.impls]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"{self.name}: impls must name each implementation once, got {names}")
+        for impl in self.impls:
+            if impl.binding is not None:
+                _check_binding(self, impl.binding)
+
     def resolve(self, **kwargs):
         """Attribute dict with defaults filled in, types converted and values validated."""
         known = {a.name: a for a in self.attrs}
@@ -76,129 +153,181 @@ class OpDef:
             self.check_attrs(attrs)
         return attrs
 
-    # -- the primitive --------------------------------------------------------------------------
-    def __post_init__(self):
-        if self.aclnn is not None:
-            # aclnn prototypes take the tensors first, then the scalars
-            tensors = tuple(a for a in self.aclnn_args if a in self.inputs)
-            assert tensors == self.inputs == self.aclnn_args[:len(tensors)], self.name
-            assert set(self.aclnn_args[len(tensors):]) <= {a.name for a in self.attrs}, self.name
+    def impl(self, name):
+        """The implementation called `name`, or None."""
+        return next((impl for impl in self.impls if impl.name == name), None)
 
     def __call__(self, *inputs, **kwargs):
         """Applies the operator: inputs in declaration order (None for absent optional ones)."""
-        prim, scalars = _bind(self, **kwargs)
-        return prim(*inputs, *scalars)
+        return _resolve(self, _signature(inputs), **kwargs)(inputs)
 
 
-@functools.lru_cache(None, typed=True)  # typed: k=2.0 must not hit the entry of k=2
-def _bind(op, **kwargs):
-    """(primitive, trailing scalar arguments) for a call. Cached, and being no plain function
-    MindSpore's graph compiler evaluates it in Python while it builds the graph. The device
-    target is read on the first call with these attributes (MindSpore fixes it per process)."""
-    attrs = op.resolve(**kwargs)
-    target = _device_target()
-    scalars = tuple(attrs[a] for a in op.aclnn_args[len(op.inputs):]) if (
-        target == "Ascend" and op.ascend is None) else ()
-    return _build(op, tuple(attrs.items()), target), scalars
+def _check_binding(op, binding):
+    """An aclnn binding names the OpDef's inputs in order, then attributes of crossable types,
+    and gives a dtype for every input and output."""
+    kernel, args = binding.kernel, binding.args
+    tensors = tuple(arg for arg, kind in args if kind == "tensor")
+    if args[:len(tensors)] != tuple((t, "tensor") for t in op.inputs):
+        raise ValueError(f"{op.name}: the {kernel} binding must list the inputs {op.inputs} first "
+                         f"and in order, got {tensors}")
+    attrs = {a.name for a in op.attrs}
+    for arg, kind in args[len(tensors):]:
+        if kind not in ACLNN_SCALARS:
+            raise TypeError(f"{op.name}: {kernel} argument '{arg}' has type {kind!r}, which cannot "
+                            f"cross a Custom aclnn registration (only {sorted(ACLNN_SCALARS)})")
+        if arg not in attrs:
+            raise ValueError(f"{op.name}: {kernel} argument '{arg}' is not an attribute of the op")
+    width = len(op.inputs) + len(op.outputs)
+    if not binding.dtypes or any(len(row) != width for row in binding.dtypes):
+        raise ValueError(f"{op.name}: every {kernel} dtype combination must name {width} dtypes "
+                         f"(inputs, then outputs), got {binding.dtypes}")
 
 
-def _device_target():
-    return ms.get_context("device_target")
+def _signature(inputs):
+    """(dtype, shape) of every input, None for absent ones; a dimension known only at run time
+    is -1, so a dynamic-shape graph still resolves once, while it is compiled."""
+    out = ()
+    for x in inputs:
+        if x is None:
+            out = out + (None,)
+        else:
+            shape = ()
+            for d in x.shape:
+                shape = shape + ((d if F.isconstant(d) else -1),)
+            out = out + ((x.dtype, shape),)
+    return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Kernel library
-
-def kernel_library():
-    """Path of the compiled CPU kernels (built by `pip install`)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    found = sorted(glob.glob(os.path.join(here, "_kernels*.so")))
-    if not found:
-        raise RuntimeError("ms_moe_ops: the CPU kernel library is missing; reinstall the package "
-                           "with `pip install .` (or `pip install -e .`) so it is compiled")
-    _preload_blas()
-    return found[0]
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: k=2.0 must not hit the entry of k=2
+def _attribute_items(op, **kwargs):
+    return tuple(op.resolve(**kwargs).items())
 
 
-@functools.lru_cache(None)
-def _preload_blas():
-    # The kernels link libscipy_openblas by name; load it globally first so MindSpore's dlopen
-    # of the kernel library finds it wherever pip put it.
-    import ctypes
-    import scipy_openblas32
-
-    libdir = scipy_openblas32.get_lib_dir()
-    name = scipy_openblas32.get_library()
-    ctypes.CDLL(os.path.join(libdir, f"lib{name}.so"), mode=ctypes.RTLD_GLOBAL)
+def _resolve_now(op, signature, **kwargs):
+    items = _attribute_items(op, **kwargs)
+    target = _platform.device_target()
+    platform = (target, _platform.soc_family(target), _platform.execution_mode(),
+                _platform.forced_impl())
+    impl = choose(op, items, platform, signature)
+    return built(op, impl, items)
 
 
-# ---------------------------------------------------------------------------------------------
-# Builders
-
-def _infer_fns(op, attrs):
-    """out_shape/out_dtype callables: pick the tensor inputs, run the declared inference."""
-    n = len(op.inputs)
-
-    def pick(args):
-        if len(args) < n:
-            raise TypeError(f"{op.name}: expected {n} inputs {op.inputs}, got {len(args)}")
-        for name, value in zip(op.inputs, args):
-            if value is None and name not in op.optional:
-                raise ValueError(f"{op.name}: input '{name}' is required, got None")
-        return list(args[:n])
-
-    def out_shape(*shapes):
-        res = op.infer(attrs, *pick(shapes))
-        return list(res[0]) if len(op.outputs) == 1 else tuple(list(s) for s in res)
-
-    def out_dtype(*dtypes):
-        names = [None if d is None else dtype_name(d) for d in pick(dtypes)]
-        res = op.infer_dtype(attrs, *names)
-        return to_mstype(res[0]) if len(op.outputs) == 1 else tuple(to_mstype(d) for d in res)
-
-    return out_shape, out_dtype
+# A partial object, not a plain function: MindSpore's graph compiler runs it in Python while it
+# builds the graph instead of compiling it, so the choice is made once per compiled graph.
+_resolve = functools.partial(_resolve_now)
 
 
-def _bprop(op, attrs):
-    return op.bprop(attrs) if op.bprop is not None else None
+def describe(op, signature):
+    """{input name: TensorInfo or None} from a call signature."""
+    args = {}
+    for name, entry in zip(op.inputs, signature):
+        args[name] = None if entry is None else TensorInfo(dtype_name(entry[0]), tuple(entry[1]))
+    return args
 
 
-@functools.lru_cache(None)
-def _build(op, attr_items, target):
-    attrs = dict(attr_items)
-    if target == "Ascend":
-        if op.ascend is not None:
-            return op.ascend(attrs)
-        return _build_aclnn(op, attrs)
-    out_shape, out_dtype = _infer_fns(op, attrs)
-    prim = ops.Custom(f"{kernel_library()}:{op.cpu}", out_shape=out_shape, out_dtype=out_dtype,
-                      func_type="aot", bprop=_bprop(op, attrs))
-    for key, value in attrs.items():
-        prim.add_prim_attr(key, value)
-    return prim
+@functools.lru_cache(maxsize=4096)
+def choose(op, attr_items, platform, signature):
+    """The implementation for a call (see the module docstring for the rules)."""
+    target, soc, mode, forced = platform
+    where = f"{target}{' ' + soc if soc else ''}, {mode} mode"
+    if forced is not None and forced not in IMPL_NAMES:
+        raise ValueError(f"{_platform.IMPL_ENV} must be one of {IMPL_NAMES}, got {forced!r}")
+    attrs, args = dict(attr_items), describe(op, signature)
+    validate(op, attrs, args)
+    forced_impl = op.impl(forced) if forced else None
+    if forced_impl is not None:
+        why = forced_impl.unavailable(target, soc, mode) or _refusal(forced_impl, attrs, args)
+        if why:
+            raise ValueError(f"{op.name}: {_platform.IMPL_ENV}={forced} forces the {forced} "
+                             f"implementation, which cannot run this call ({where}): {why}")
+        _log.info("%s: %s (forced by %s)", op.name, forced, _platform.IMPL_ENV)
+        return forced_impl
+    passed, elsewhere = [], []
+    for impl in op.impls:
+        why = impl.unavailable(target, soc, mode) or _refusal(impl, attrs, args)
+        if not why:
+            if passed:
+                _log.info("%s: %s on %s; passed over: %s", op.name, impl.name, where,
+                          "; ".join(passed))
+            else:
+                _log.debug("%s: %s on %s", op.name, impl.name, where)
+            return impl
+        if impl.target in (None, target):  # another device's implementation is no fallback
+            passed.append(f"{impl.name} ({why})")
+        else:
+            elsewhere.append(f"{impl.name} ({why})")
+    raise NotImplementedError(f"{op.name}: no implementation for this call on {where}: "
+                              f"{'; '.join(elsewhere + passed)}")
 
 
-def aclnn_reg_info(op, attrs):
-    """CustomRegOp registration of an aclnn kernel, arguments in the aclnn prototype's order."""
-    reg = ops.CustomRegOp(op.aclnn)
-    i = 0
-    for name in op.aclnn_args:
-        if name in op.inputs:
-            reg = reg.input(i, name, "optional" if name in op.optional else "required")
-            i += 1
-    kinds = {a.name: a.kind for a in op.attrs}
-    for name in op.aclnn_args:
-        if name not in op.inputs:
-            reg = reg.attr(name, "required", _TYPES[kinds[name]], value=attrs[name])
-    for j, name in enumerate(op.outputs):
-        reg = reg.output(j, name, "required")
-    return reg.target("Ascend").get_op_info()
+def validate(op, attrs, args):
+    """The declared checks, whatever implementation runs: required inputs, shapes when every
+    dimension is known, dtypes (a Custom primitive's own inference repeats them)."""
+    for name, info in args.items():
+        if info is None and name not in op.optional:
+            raise ValueError(f"{op.name}: input '{name}' is required, got None")
+    infos = list(args.values())
+    if all(i is None or -1 not in i.shape for i in infos):
+        op.infer(attrs, *[None if i is None else list(i.shape) for i in infos])
+    op.infer_dtype(attrs, *[None if i is None else i.dtype for i in infos])
 
 
-def _build_aclnn(op, attrs):
-    if op.aclnn is None:
-        raise NotImplementedError(f"{op.name}: no Ascend binding")
-    out_shape, out_dtype = _infer_fns(op, attrs)
-    prim = ops.Custom(op.aclnn, out_shape=out_shape, out_dtype=out_dtype, func_type="aot",
-                      bprop=_bprop(op, attrs), reg_info=aclnn_reg_info(op, attrs))
-    return prim
+def _refusal(impl, attrs, args):
+    if impl.supports is None:
+        return ""
+    ok, reason = impl.supports(attrs, args)
+    return "" if ok else reason
+
+
+_BUILT = {}
+_FORWARDS = []  # the callables _WithBprop Cells run, by index
+
+
+def built(op, impl, attr_items):
+    """The callable of one implementation for one attribute set (built once)."""
+    key = (op, impl.name, attr_items)
+    if key not in _BUILT:
+        attrs = dict(attr_items)
+        fn = impl.build(op, attrs)
+        bprop = None
+        if impl.grad == "op" and op.bprop is not None:
+            bprop = op.bprop(attrs)
+        elif callable(impl.grad):
+            bprop = impl.grad(attrs)
+        if bprop is not None:
+            _FORWARDS.append(fn)
+            fn = _WithBprop(len(_FORWARDS) - 1, bprop)
+        _BUILT[key] = fn
+    return _BUILT[key]
+
+
+def built_attribute_sets():
+    """{(op, attribute items)} of every implementation built so far in this process."""
+    return {(op, items) for op, _, items in _BUILT}
+
+
+def _forward_now(index):
+    return _FORWARDS[index]
+
+
+# Looked up in Python at compile time (a partial, like _resolve) rather than held as a Cell
+# attribute: in MindSpore 2.10 GRAPH mode a function parsed from a Cell attribute and a function
+# the Cell's bprop obtains from such a lookup must not share helpers ("The func graph is empty");
+# fetched the same way on both sides, they may.
+_forward = functools.partial(_forward_now)
+
+
+class _WithBprop(nn.Cell):
+    """_FORWARDS[index](inputs) differentiated by bprop(*inputs, out, dout). The inputs travel as
+    one tuple: a Cell's bprop cannot take *args in GRAPH mode."""
+
+    def __init__(self, index, bprop):
+        super().__init__()
+        self.index = index
+        self.backward = bprop
+
+    def construct(self, inputs):
+        return _forward(self.index)(inputs)
+
+    def bprop(self, inputs, out, dout):
+        return (self.backward(*inputs, out, dout),)

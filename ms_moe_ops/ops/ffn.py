@@ -4,15 +4,22 @@ y[rows e] = act(x[rows e] @ weight1[e] + bias1[e]) @ weight2[e] + bias2[e], in o
 The float path trains: its bprop recomputes the pre-activation with grouped_matmul and builds
 every gradient from grouped_matmul calls and one fused activation-derivative op. Recomputing
 costs one grouped product (about 1/7 of a training step's FFN flops) but keeps no [M, F] tensor
-alive between forward and backward, and keeps the primitive's single output y, which is what
-aclnnMoeFFN produces on Ascend. The int8 path (ffn_int8.cc) is inference only.
+alive between forward and backward, and keeps the primitive's single output y. The int8 path
+(ffn_int8.cc) is inference only.
+
+Implementations: the CPU kernel; on Atlas A2/A3 MindSpore's built-in FFN (aclnnFFN) for float16
+and for int8 with float16 output; a composition of grouped_matmul and the activation for the
+other float dtypes and everywhere else. aclnnMoeFFN itself cannot be called through ops.Custom
+(its activation is a char* and its expertTokens a host aclIntArray).
 """
 import mindspore as ms
 from mindspore import ops
 
 from ._checks import FLOATS, attr_error, check_dtype, check_range, check_rank, check_same_dtype, \
     check_shape
+from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
+from ._platform import A2, A3
 from .grouped_matmul import group_sum, grouped_matmul
 
 _OP = "moe_ffn"
@@ -98,23 +105,26 @@ def _infer_act_dtype(a, h, grad_a):
     return h, h
 
 
+def _activation(name, v):
+    """(act(v), act'(v)) in float32 from MindSpore ops: every activation but relu is
+    v * sigmoid(u(v))."""
+    if name == "relu":
+        return ops.relu(v), (v > 0).astype(ms.float32)
+    if name == "fastgelu":
+        u, du = 1.702 * v, 1.702
+    elif name == "gelu":
+        u, du = 1.59576912 * (v + 0.044715 * v * v * v), 1.59576912 * (1 + 0.134145 * v * v)
+    else:
+        u, du = v, 1.0
+    s = ops.sigmoid(u)
+    return v * s, s + v * s * (1 - s) * du
+
+
 def _act_grad_composed(a):
-    """The same maths from MindSpore ops (Ascend)."""
     name = a["activation"]
 
     def f(h, grad_a):
-        v = h.astype(ms.float32)
-        if name == "relu":
-            act, deriv = ops.relu(v), (v > 0).astype(ms.float32)
-        else:
-            if name == "fastgelu":
-                u, du = 1.702 * v, 1.702
-            elif name == "gelu":
-                u, du = 1.59576912 * (v + 0.044715 * v * v * v), 1.59576912 * (1 + 0.134145 * v * v)
-            else:
-                u, du = v, 1.0
-            s = ops.sigmoid(u)
-            act, deriv = v * s, s + v * s * (1 - s) * du
+        act, deriv = _activation(name, h.astype(ms.float32))
         return (grad_a.astype(ms.float32) * deriv).astype(h.dtype), act.astype(h.dtype)
 
     return f
@@ -128,8 +138,7 @@ FFN_ACTIVATION_GRAD = OpDef(
     check_attrs=lambda a: _check_activation(_ACT, a),
     infer=_infer_act,
     infer_dtype=_infer_act_dtype,
-    cpu="MoeFFNActivationGrad",
-    ascend=_act_grad_composed,
+    impls=(kernel("MoeFFNActivationGrad"), composition(_act_grad_composed)),
 )
 
 
@@ -153,6 +162,58 @@ def _bprop(a):
     return bprop
 
 
+def _ffn_composed(a):
+    """The float path from grouped_matmul and the activation (each resolves on its own)."""
+    name, cumulative = a["activation"], a["tokens_index_flag"]
+
+    def ffn(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
+        h = grouped_matmul(x, w1, tokens, b1, cumulative=cumulative)
+        act = _activation(name, h.astype(ms.float32))[0].astype(x.dtype)
+        return grouped_matmul(act, w2, tokens, b2, cumulative=cumulative)
+
+    return ffn
+
+
+def _float_only(a, args):
+    if args["x"].dtype == "int8":
+        return False, "the int8 path has no composition"
+    return True, ""
+
+
+def _ffn_builtin(a):
+    """MindSpore's built-in FFN (aclnnFFN): expert tokens as host counts, activation an enum."""
+    from mindspore.ops.auto_generate import FFNExt, tensor_to_tuple  # pylint: disable=import-outside-toplevel
+
+    prim = FFNExt(a["activation"], 0)  # inner_precise 0: the high-precision float16 kernel
+    cumulative = a["tokens_index_flag"]
+
+    def ffn(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
+        if cumulative:  # aclnnFFN takes per-expert counts
+            tokens = tokens - ops.concat((ops.zeros((1,), ms.int64), tokens[:-1]))
+        return prim(x, w1, w2, tensor_to_tuple(tokens), b1, b2, scale, offset, dq1, dq2)
+
+    return ffn
+
+
+FFN_BUILTIN_MAX_DIM = 65536  # aclnnFFN: H and F below it
+
+
+def _ffn_builtin_fits(a, args):
+    """Where aclnnFFN's contract matches this operator's (CANN FFN operator document)."""
+    x, w1 = args["x"].dtype, args["weight1"].shape
+    if max(w1[1], w1[2]) >= FFN_BUILTIN_MAX_DIM:
+        return False, f"aclnnFFN needs H and F < {FFN_BUILTIN_MAX_DIM}, got weight1 {list(w1)}"
+    if x == "float16":
+        return True, ""
+    if x == "int8":
+        if a["output_dtype"] in ("", "float16"):
+            return True, ""
+        return False, (f"aclnnFFN's int8 path writes float16 (bfloat16 only with bfloat16 dequant "
+                       f"scales, float32 never), got output_dtype={a['output_dtype']!r}: use "
+                       f"output_dtype='float16', or the CPU kernel")
+    return False, f"it is used for float16 only ({x} trains through the composition)"
+
+
 MOE_FFN = OpDef(
     name=_OP,
     inputs=("x", "expert_tokens", "weight1", "bias1", "weight2", "bias2", "scale", "offset",
@@ -164,10 +225,11 @@ MOE_FFN = OpDef(
     check_attrs=_check_attrs,
     infer=_infer,
     infer_dtype=_infer_dtype,
-    cpu="MoeFFN",
-    aclnn="aclnnMoeFFN",
-    aclnn_args=("x", "expert_tokens", "weight1", "bias1", "weight2", "bias2", "scale", "offset",
-                "deq_scale1", "deq_scale2", "activation"),
+    impls=(
+        kernel("MoeFFN"),
+        builtin(_ffn_builtin, socs=(A2, A3), supports=_ffn_builtin_fits),
+        composition(_ffn_composed, supports=_float_only),
+    ),
     bprop=_bprop,
 )
 
@@ -197,14 +259,12 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         differentiable with respect to x, weight1, bias1, weight2 and bias2; asking for the
         quant path's gradient raises RuntimeError.
 
-    Ascend: aclnnMoeFFN, arguments in its prototype's order. Its expertTokens is a host
-    aclIntArray, while this operator takes a tensor (so GRAPH mode does not recompile when the
-    counts change): the launch has to copy the counts to the host to build the array (a
-    device-to-host copy and a stream sync per call; not checked on a device). aclnnMoeFFN
-    knows only fastgelu and counts (no tokens_index_flag). aclnnFFNV3 (CANN 8.0 API reference)
-    takes expertTokens as an aclTensor and has tokensIndexFlag: the binding to move to where it
-    is available (argument order x, weight1, weight2, expertTokens, bias1, bias2, scale, offset,
-    deqScale1, deqScale2, antiquant..., activation, innerPrecise, tokensIndexFlag).
+    Ascend (Atlas A2/A3): float16, and int8 with float16 output, run MindSpore's built-in FFN
+    (aclnnFFN); its expertTokens are host integers, so each call copies the counts to the host
+    (a device-to-host copy and a stream sync; not checked on a device). float32/bfloat16 run
+    grouped_matmul and the activation. int8 with another output_dtype raises
+    NotImplementedError there. aclnnFFNV3 (expertTokens an aclTensor, tokensIndexFlag) would
+    avoid the copy but has a char* activation: it needs a C++ custom op.
     """
     return MOE_FFN(x, expert_tokens, weight1, bias1, weight2, bias2, scale, offset, deq_scale1,
                    deq_scale2, activation=activation, tokens_index_flag=tokens_index_flag,

@@ -1,12 +1,21 @@
 """Router operators (SPEC §1-2): moe_gating_top_k, its sigmoid backward (the seed
-aclnnMoeGatingTopKBackward) and its softmax backward (this package's own)."""
+aclnnMoeGatingTopKBackward) and its softmax backward (this package's own).
+
+Implementations: the CPU kernels; on Atlas A2/A3 in GRAPH mode aclnnMoeGatingTopK and
+aclnnMoeGatingTopKBackward within their limits; a composition of MindSpore ops everywhere else
+(PyNative on Ascend: MindSpore's PyNative custom path cannot pass the kernels' scalars).
+"""
+import numpy as np
 import mindspore as ms
 from mindspore import ops
 
 from ._checks import FLOATS, check_dtype, check_range, check_rank, check_same_dtype, check_shape
+from ._impls import aclnn, composition, kernel
 from ._op import Attr, OpDef
+from ._platform import A2, A3
 
 MAX_EXPERTS = 2048
+ACLNN_MAX_ALIGNED_EXPERTS = 2048  # aclnnMoeGatingTopK: (experts per group, aligned up to 32) * groups
 
 # -- moe_gating_top_k ---------------------------------------------------------------------------
 
@@ -69,6 +78,67 @@ def _router_bprop(a):
     return bprop
 
 
+def top_k_lowest_index(values, k):
+    """(values, indices) [.., k] of the k largest values of each row, in descending order, equal
+    values in ascending index order whatever the device's TopK does with ties: the slot p holding
+    value v takes the (r+1)-th index (in index order) whose value is v, r = the earlier slots
+    holding v. Costs [.., k, N] comparisons."""
+    top, _ = ops.topk(values, k)
+    same = top.expand_dims(-1) == top.expand_dims(-2)                        # [.., k, k]
+    earlier = ms.Tensor(np.tril(np.ones((k, k), np.bool_), -1))              # q < p
+    r = ops.logical_and(same, earlier).astype(ms.int32).sum(-1, keepdims=True)
+    seen = ops.cumsum((values.expand_dims(-2) == top.expand_dims(-1)).astype(ms.int32), -1)
+    return top, (seen <= r).astype(ms.int32).sum(-1).astype(ms.int32)
+
+
+def _router_composed(a):
+    """moe_gating_top_k from MindSpore ops (SPEC §1 step by step)."""
+    k, k_group, groups = a["k"], a["k_group"], a["group_count"]
+    sigmoid, renorm = a["norm_type"] == 1, a["renorm"] == 1
+    mode, scale, eps = a["group_select_mode"], a["routed_scaling_factor"], a["eps"]
+
+    def route(x, bias):
+        logits = x.astype(ms.float32)
+        x_norm = ops.sigmoid(logits) if sigmoid else ops.softmax(logits, -1)
+        choice = x_norm if bias is None else x_norm + bias.astype(ms.float32)
+        if groups > 1:
+            n = x.shape[-1]
+            grouped = choice.reshape(-1, groups, n // groups)
+            if mode == 0:
+                score = grouped.max(axis=-1)
+            else:
+                score = ops.topk(grouped, 2)[0].sum(-1)
+            _, kept = top_k_lowest_index(score, k_group)                     # [M, k_group]
+            ids = ops.arange(groups, dtype=ms.int32).reshape(1, 1, groups)
+            keep = (kept.expand_dims(-1) == ids).astype(ms.int32).sum(1) > 0   # [M, groups]
+            # dropped groups get -inf (never 0): their experts can never win
+            choice = ops.where(keep.expand_dims(-1), grouped, float("-inf")).reshape(-1, n)
+        _, idx = top_k_lowest_index(choice, k)
+        w = ops.gather_elements(x_norm, 1, idx)
+        if sigmoid or renorm:
+            w = w / (w.sum(-1, keepdims=True) + eps)
+        return (w * scale).astype(x.dtype), idx, x_norm
+
+    return route
+
+
+def _aclnn_limits(a, args):
+    """aclnnMoeGatingTopK's own limits (CANN operator document)."""
+    n, groups = args["x"].shape[-1], a["group_count"]
+    if n < 0:
+        return False, "the expert count is only known at run time"
+    per_group = n // groups
+    aligned = -(-per_group // 32) * 32
+    if aligned * groups > ACLNN_MAX_ALIGNED_EXPERTS:
+        return False, (f"experts per group aligned up to 32 ({aligned}) x group_count ({groups}) "
+                       f"= {aligned * groups} > {ACLNN_MAX_ALIGNED_EXPERTS}")
+    if per_group <= a["group_select_mode"]:
+        return False, f"group_select_mode={a['group_select_mode']} needs more experts per group"
+    if a["norm_type"] == 0 and a["renorm"] == 1:
+        return False, "the kernel supports renorm=0 only (softmax renormalisation is composed)"
+    return True, ""
+
+
 GATING_TOP_K = OpDef(
     name=_FWD,
     inputs=("x", "bias"),
@@ -81,10 +151,17 @@ GATING_TOP_K = OpDef(
     check_attrs=_check_router_attrs,
     infer=_infer_router,
     infer_dtype=_infer_router_dtype,
-    cpu="MoeGatingTopK",
-    aclnn="aclnnMoeGatingTopK",
-    aclnn_args=("x", "bias", "k", "k_group", "group_count", "group_select_mode", "renorm",
-                "norm_type", "out_flag", "routed_scaling_factor", "eps"),
+    impls=(
+        kernel("MoeGatingTopK"),
+        aclnn("aclnnMoeGatingTopK",
+              "x, bias, k:int, k_group:int, group_count:int, group_select_mode:int, renorm:int, "
+              "norm_type:int, out_flag:bool, routed_scaling_factor:double, eps:double",
+              socs=(A2, A3), dtypes=[(t, t, t, "int32", "float32") for t in FLOATS],
+              supports=_aclnn_limits,
+              # sigmoid always renormalises; the kernel accepts renorm=0 only
+              scalars=lambda a: {"renorm": 0} if a["norm_type"] == 1 else {}),
+        composition(_router_composed),
+    ),
     bprop=_router_bprop,
 )
 
@@ -144,6 +221,28 @@ def _check_sigmoid_only(a):
                          f"got {a['renorm']}")
 
 
+def _sigmoid_backward_composed(a):
+    """The sigmoid router backward from MindSpore ops (SPEC §2; duplicates are summed)."""
+    scale, eps = a["routed_scaling_factor"], a["eps"]
+
+    def grad(x_norm, grad_y, expert_idx):
+        g = grad_y.astype(ms.float32) * scale
+        w = ops.gather_elements(x_norm, 1, expert_idx)
+        d = w.sum(axis=-1, keepdims=True) + eps
+        beta = (w / d * g).sum(axis=-1, keepdims=True)
+        gn = ops.tensor_scatter_elements(ops.zeros_like(x_norm), expert_idx, (g - beta) / d,
+                                         axis=1, reduction="add")
+        return (x_norm * (1 - x_norm) * gn).astype(grad_y.dtype)
+
+    return grad
+
+
+def _float32_grad_y(call, inputs):
+    """The kernel writes grad_x in x_norm's dtype (float32): give it float32 grad_y, cast back."""
+    x_norm, grad_y, expert_idx = inputs
+    return call((x_norm, grad_y.astype(ms.float32), expert_idx)).astype(grad_y.dtype)
+
+
 GATING_BACKWARD = OpDef(
     name="moe_gating_top_k_backward",
     inputs=("x_norm", "grad_y", "expert_idx"),
@@ -153,10 +252,15 @@ GATING_BACKWARD = OpDef(
     check_attrs=_check_sigmoid_only,
     infer=_backward_infer("moe_gating_top_k_backward")[0],
     infer_dtype=_backward_infer("moe_gating_top_k_backward")[1],
-    cpu="MoeGatingTopKBackward",
-    aclnn="aclnnMoeGatingTopKBackward",
-    aclnn_args=("x_norm", "grad_y", "expert_idx", "renorm", "norm_type",
-                "routed_scaling_factor", "eps"),
+    impls=(
+        kernel("MoeGatingTopKBackward"),
+        aclnn("aclnnMoeGatingTopKBackward",
+              "x_norm, grad_y, expert_idx, renorm:int, norm_type:int, "
+              "routed_scaling_factor:double, eps:double",
+              socs=(A2, A3), dtypes=[("float32", "float32", "int32", "float32")],
+              around=_float32_grad_y),
+        composition(_sigmoid_backward_composed),
+    ),
 )
 
 
@@ -200,6 +304,5 @@ GATING_SOFTMAX_BACKWARD = OpDef(
            Attr("eps", float, 1e-20)),
     infer=_backward_infer(_SOFTMAX_BWD)[0],
     infer_dtype=_backward_infer(_SOFTMAX_BWD)[1],
-    cpu="MoeGatingTopKSoftmaxBackward",
-    ascend=_softmax_backward_composed,
+    impls=(kernel("MoeGatingTopKSoftmaxBackward"), composition(_softmax_backward_composed)),
 )

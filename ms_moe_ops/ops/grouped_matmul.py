@@ -1,10 +1,17 @@
 """grouped_matmul (SPEC §5): one matrix product per group of rows, with the transposed forms a
-backward needs, so that grouped layers (MoeFFN) differentiate through it."""
+backward needs, so that grouped layers (MoeFFN) differentiate through it.
+
+Implementations: the CPU kernel; on Ascend MindSpore's grouped matmul (GmmV2,
+aclnnGroupedMatmul) with its own backward (GmmV2Backward); a composition of MindSpore matmuls
+everywhere else.
+"""
 import mindspore as ms
 from mindspore import ops
 
 from ._checks import FLOATS, check_dtype, check_rank, check_same_dtype, check_shape
+from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
+from ._platform import A2, A3, ASCEND_950
 
 _OP = "grouped_matmul"
 
@@ -80,27 +87,78 @@ def _bprop(a):
     return bprop
 
 
-def _ascend(a):
-    """MindSpore's grouped matmul (aclnnGroupedMatmulV4); it has no CPU kernel.
+def _group_members(group_list, rows, cumulative):
+    """[rows, G] float32: 1 where a row belongs to a group (rows past the last group: none)."""
+    ends = group_list if cumulative else ops.cumsum(group_list, 0)
+    row = ops.arange(rows, dtype=ms.int64).reshape(-1, 1)
+    owner = (row >= ends.reshape(1, -1)).astype(ms.int32).sum(1)
+    groups = ops.arange(group_list.shape[0], dtype=ms.int32).reshape(1, -1)
+    return (owner.reshape(-1, 1) == groups).astype(ms.float32)
 
-    transpose_x uses group_type 2 (groups along the reduced axis), which CANN's
-    aclnnGroupedMatmulV4 documents but MindSpore 2.10's docstring does not list (-1 and 0
-    only): not checked on a device."""
-    from mindspore.ops.auto_generate import grouped_matmul_v4
 
-    list_type = 0 if a["cumulative"] else 1  # 0: cumulative ends, 1: counts
+def _composed(a):
+    """Every group's product as a batched float32 matmul, masked to the group's rows: G times the
+    flops of the grouped product, exact (the other groups contribute zeros)."""
+    transpose_x, transpose_weight, cumulative = a["transpose_x"], a["transpose_weight"], \
+        a["cumulative"]
 
     def f(x, weight, group_list, bias):
-        if a["transpose_x"]:  # split along the reduced axis (group_type 2)
-            return grouped_matmul_v4([x.T], [weight], group_list=group_list, split_item=3,
-                                     group_type=2, group_list_type=list_type)[0]
-        if a["transpose_weight"]:
-            weight = weight.transpose(0, 2, 1)
-        return grouped_matmul_v4([x], [weight], bias=None if bias is None else [bias],
-                                 group_list=group_list, split_item=3, group_type=0,
-                                 group_list_type=list_type)[0]
+        rows = x.shape[0]
+        member = _group_members(group_list, rows, cumulative)              # [M, G]
+        mask = member.T.expand_dims(-1)                                     # [G, M, 1]
+        xf = x.astype(ms.float32)
+        if transpose_x:  # out[g] = x_g^T @ weight_g
+            out = ops.matmul((mask * xf.expand_dims(0)).transpose(0, 2, 1),
+                             weight.astype(ms.float32))
+            return out.astype(x.dtype)
+        w = weight.astype(ms.float32)
+        if transpose_weight:
+            w = w.transpose(0, 2, 1)
+        y = (ops.matmul(xf.expand_dims(0), w) * mask).sum(0)                # [M, N]
+        if bias is not None:
+            y = y + ops.matmul(member, bias.astype(ms.float32))
+        return y.astype(x.dtype)
 
     return f
+
+
+def _builtin(a):
+    """MindSpore's grouped matmul with a tensor group list (GmmV2: aclnnGroupedMatmul); it has
+    no CPU kernel. transpose_x groups the reduced axis (group_type 2, x given as a transposed
+    view, as MindSpore's own backward does); bfloat16 takes a float32 bias."""
+    from mindspore.ops.auto_generate import gmm_v2_op  # pylint: disable=import-outside-toplevel
+
+    list_type = 0 if a["cumulative"] else 1  # 0: cumulative ends, 1: counts
+    transpose_x, transpose_weight = a["transpose_x"], a["transpose_weight"]
+
+    def f(x, weight, group_list, bias):
+        if transpose_x:
+            return gmm_v2_op([x.T], [weight], None, group_list, 2, list_type)[0]
+        if transpose_weight:
+            weight = weight.transpose(0, 2, 1)
+        if bias is not None:
+            bias = [bias.astype(ms.float32) if x.dtype == ms.bfloat16 else bias]
+        return gmm_v2_op([x], [weight], bias, group_list, 0, list_type)[0]
+
+    return f
+
+
+def _builtin_grad(a):
+    """MindSpore's own grouped-matmul backward (GmmV2Backward) for the plain product; the
+    transposed forms differentiate as declared (grouped matmuls again)."""
+    if a["transpose_x"] or a["transpose_weight"]:
+        return _bprop(a)
+    from mindspore.ops.auto_generate import gmm_v2_backward_op  # pylint: disable=import-outside-toplevel
+
+    c = a["cumulative"]
+    list_type = 0 if c else 1
+
+    def bprop(x, weight, groups, bias, out, dout):
+        grads = gmm_v2_backward_op([dout], [x], [weight], groups, list_type)  # (dx, dweight)
+        dbias = None if bias is None else group_sum(dout, groups, c)
+        return grads[0], grads[1], ops.zeros_like(groups), dbias
+
+    return bprop
 
 
 GROUPED_MATMUL = OpDef(
@@ -113,8 +171,11 @@ GROUPED_MATMUL = OpDef(
     check_attrs=_check_attrs,
     infer=_infer,
     infer_dtype=_infer_dtype,
-    cpu="GroupedMatmul",
-    ascend=_ascend,
+    impls=(
+        kernel("GroupedMatmul"),
+        builtin(_builtin, socs=(A2, A3, ASCEND_950), grad=_builtin_grad),
+        composition(_composed),
+    ),
     bprop=_bprop,
 )
 

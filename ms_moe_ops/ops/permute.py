@@ -4,12 +4,25 @@ by expert, moe_token_unpermute brings the expert outputs back and merges them pe
 `sorted_index[t * K + k]` is the row of the permuted tensor that holds slot k of token t (the
 destination map, as returned by Ascend's moe_token_permute). Rows of one expert keep the token
 order (a stable sort), so expert e owns rows [sum(counts[:e]), sum(counts[:e + 1])).
+
+Implementations: the CPU kernels; on Atlas A2/A3 MindSpore's moe_token_permute /
+moe_token_unpermute (top-k <= 512); compositions of MindSpore ops everywhere else.
 """
 import mindspore as ms
 from mindspore import ops
 
 from ._checks import FLOATS, check_dtype, check_rank, check_shape
+from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
+from ._platform import A2, A3
+
+BUILTIN_MAX_TOP_K = 512  # MindSpore's moe_token_permute / unpermute on Ascend
+
+
+def _top_k_within(k):
+    if k > BUILTIN_MAX_TOP_K:
+        return False, f"top-k {k} > {BUILTIN_MAX_TOP_K}"
+    return True, ""
 
 _INT32_ROWS = 2 ** 31 - 1  # sorted_index is int32
 
@@ -53,16 +66,41 @@ def _permute_bprop(a):
     return bprop
 
 
-def _permute_ascend(a):
+def _counts(flat, num_experts):
+    return ops.tensor_scatter_elements(ops.zeros((num_experts,), ms.int64), flat,
+                                       ops.ones(flat.shape, ms.int64), axis=0, reduction="add")
+
+
+def _permute_builtin(a):
     num_experts = a["num_experts"]
 
     def permute(x, expert_idx):
         permuted, sorted_index = ops.moe_token_permute(x, expert_idx)
+        return permuted, sorted_index, _counts(expert_idx.reshape(-1), num_experts)
+
+    return permute
+
+
+def _permute_composed(a):
+    """The stable counting sort from MindSpore ops: pair i goes to row (rows of lower experts) +
+    (earlier pairs of its expert). Costs [T*K, E] integers."""
+    num_experts = a["num_experts"]
+
+    def permute(x, expert_idx):
+        k = expert_idx.shape[1]
         flat = expert_idx.reshape(-1)
-        counts = ops.tensor_scatter_elements(ops.zeros((num_experts,), ms.int64), flat,
-                                             ops.ones(flat.shape, ms.int64), axis=0,
-                                             reduction="add")
-        return permuted, sorted_index, counts
+        experts = ops.arange(num_experts, dtype=ms.int32).reshape(1, -1)
+        onehot = (flat.reshape(-1, 1) == experts).astype(ms.int32)             # [T*K, E]
+        counts = onehot.sum(0)
+        starts = ops.cumsum(counts, 0) - counts
+        earlier = (ops.cumsum(onehot, 0) * onehot).sum(1) - 1
+        sorted_index = (onehot * starts.reshape(1, -1)).sum(1) + earlier
+        pairs = sorted_index.shape[0]
+        source = ops.scatter_nd(sorted_index.reshape(-1, 1), ops.arange(pairs, dtype=ms.int32),
+                                (pairs,))                                      # row -> pair
+        # float32 rows: exact, and MindSpore's CPU Gather has no bfloat16 kernel
+        permuted = ops.gather(x.astype(ms.float32), source // k, 0).astype(x.dtype)
+        return permuted, sorted_index.astype(ms.int32), counts.astype(ms.int64)
 
     return permute
 
@@ -75,8 +113,12 @@ PERMUTE = OpDef(
     check_attrs=_check_permute_attrs,
     infer=_infer_permute,
     infer_dtype=_infer_permute_dtype,
-    cpu="MoeTokenPermute",
-    ascend=_permute_ascend,
+    impls=(
+        kernel("MoeTokenPermute"),
+        builtin(_permute_builtin, socs=(A2, A3),
+                supports=lambda a, args: _top_k_within(args["expert_idx"].shape[1])),
+        composition(_permute_composed),
+    ),
     bprop=_permute_bprop,
 )
 
@@ -161,7 +203,26 @@ def _unpermute_bprop(a):
     return bprop
 
 
-def _unpermute_ascend(a):
+def _unpermute_composed(a):
+    top_k = a["top_k"]
+
+    def unpermute(permuted, sorted_index, probs):
+        k = probs.shape[1] if probs is not None else (top_k or 1)
+        rows = ops.gather(permuted.astype(ms.float32), sorted_index, 0)
+        rows = rows.reshape(-1, k, permuted.shape[1])
+        if probs is not None:
+            rows = rows * probs.astype(ms.float32).expand_dims(-1)
+        return rows.sum(1).astype(permuted.dtype)
+
+    return unpermute
+
+
+def _unpermute_top_k(a, args):
+    probs = args["probs"]
+    return probs.shape[1] if probs is not None else (a["top_k"] or 1)
+
+
+def _unpermute_builtin(a):
     top_k = a["top_k"]
 
     def unpermute(permuted, sorted_index, probs):
@@ -184,8 +245,12 @@ UNPERMUTE = OpDef(
     check_attrs=_check_top_k(_UNPERMUTE),
     infer=_infer_unpermute,
     infer_dtype=_infer_unpermute_dtype,
-    cpu="MoeTokenUnpermute",
-    ascend=_unpermute_ascend,
+    impls=(
+        kernel("MoeTokenUnpermute"),
+        builtin(_unpermute_builtin, socs=(A2, A3),
+                supports=lambda a, args: _top_k_within(_unpermute_top_k(a, args))),
+        composition(_unpermute_composed),
+    ),
     bprop=_unpermute_bprop,
 )
 
@@ -221,7 +286,7 @@ def _infer_unpermute_backward_dtype(a, permuted, sorted_index, probs, grad_out):
 
 
 def _unpermute_backward_composed(a):
-    """Ascend: the gradients from MindSpore ops (the aclnn backward's binding is not exposed)."""
+    """The gradients from MindSpore ops (MindSpore's own unpermute gradient is undocumented)."""
     top_k = a["top_k"]
 
     def backward(permuted, sorted_index, probs, grad_out):
@@ -234,7 +299,7 @@ def _unpermute_backward_composed(a):
         d_permuted = ops.scatter_nd(index, rows.reshape(t * k, h), permuted.shape)
         if probs is None:
             return d_permuted.astype(permuted.dtype), ops.zeros((t, k), ms.float32)
-        mine = ops.gather(permuted, sorted_index, 0).astype(ms.float32).reshape(t, k, h)
+        mine = ops.gather(permuted.astype(ms.float32), sorted_index, 0).reshape(t, k, h)
         d_probs = (mine * grad_out.astype(ms.float32).reshape(t, 1, h)).sum(axis=-1)
         return d_permuted.astype(permuted.dtype), d_probs.astype(probs.dtype)
 
@@ -250,8 +315,7 @@ UNPERMUTE_BACKWARD = OpDef(
     check_attrs=_check_top_k(_UNPERMUTE_BWD),
     infer=_infer_unpermute_backward,
     infer_dtype=_infer_unpermute_backward_dtype,
-    cpu="MoeTokenUnpermuteBackward",
-    ascend=_unpermute_backward_composed,
+    impls=(kernel("MoeTokenUnpermuteBackward"), composition(_unpermute_backward_composed)),
 )
 
 

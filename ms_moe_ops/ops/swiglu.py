@@ -1,21 +1,25 @@
 """SwiGLU with clamp, per-token weights and group index (SPEC §3): swiglu_group and its backward
 swiglu_group_quant_grad (the seed aclnnSwigluGroupQuantGrad; no quantisation happens in it).
 
-clamp_limit: c > 0 turns the clamp on, c <= 0 turns it off. The Ascend kernel rejects 0 and reads
--1 as "off", so the attribute is normalised once in `_check_clamp`: every value <= 0 becomes -1.0,
-which the CPU kernels (c > 0 test) and the aclnn call both read as "off".
+clamp_limit: c > 0 turns the clamp on, c <= 0 turns it off.
+
+Implementations: the CPU kernels; the forward is composed from MindSpore ops on every other
+device (no aclnn forward kernel exists); the backward is aclnnSwigluGroupQuantGrad on Ascend 950
+in GRAPH mode (the only SoC that has it) and composed elsewhere.
 """
 import math
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import ops
 
 from ._checks import FLOATS, check_dtype, check_rank, check_same_dtype, check_shape
+from ._impls import aclnn, composition, kernel
 from ._op import Attr, OpDef
+from ._platform import ASCEND_950
 
 _FWD = "swiglu_group"
 _BWD = "swiglu_group_quant_grad"
-CLAMP_OFF = -1.0
+ACLNN_CLAMP_OFF = -1.0  # aclnnSwigluGroupQuantGrad accepts -1 ("off") or > 0, not 0
 
 
 def _check_clamp(op):
@@ -24,8 +28,6 @@ def _check_clamp(op):
         if math.isnan(c) or math.isinf(c):
             raise ValueError(f"{op}: attribute 'clamp_limit' must be a finite number "
                              f"(> 0 turns the clamp on, <= 0 off), got {c}")
-        if c <= 0:
-            a["clamp_limit"] = CLAMP_OFF
     return check
 
 
@@ -75,32 +77,28 @@ def _row_mask(rows_shape, group_index):
     return keep.reshape(tuple(rows_shape) + (1,))
 
 
-class _ComposedSwiglu(nn.Cell):
-    """The forward from MindSpore ops (Ascend has no aclnn kernel for it); its gradient is still
-    the fused backward (aclnnSwigluGroupQuantGrad on Ascend), not autodiff of the composition."""
+def _clamped(x, c):
+    """float32 halves (x0, x1) of x and their clamped values (x0', x1')."""
+    x0, x1 = ops.chunk(x.astype(ms.float32), 2, axis=-1)
+    if c > 0:
+        return x0, x1, ops.minimum(x0, c), ops.clamp(x1, -c, c)
+    return x0, x1, x0, x1
 
-    def __init__(self, a):
-        super().__init__()
-        self.clamp_limit = a["clamp_limit"]
-        self.backward = _swiglu_bprop(a)
 
-    def construct(self, x, weight, group_index):
-        c = self.clamp_limit
-        x0, x1 = ops.chunk(x.astype(ms.float32), 2, axis=-1)
-        if c > 0:
-            x0 = ops.minimum(x0, c)
-            x1 = ops.clamp(x1, -c, c)
+def _forward_composed(a):
+    """The forward from MindSpore ops; its gradient is still the fused backward (the OpDef's
+    bprop), not autodiff of the composition."""
+    c = a["clamp_limit"]
+
+    def forward(x, weight, group_index):
+        _, _, x0, x1 = _clamped(x, c)
         y_origin = ops.silu(x0) * x1
         if group_index is not None:
             y_origin = y_origin * _row_mask(x.shape[:-1], group_index)
         y = y_origin if weight is None else y_origin * weight
         return y.astype(x.dtype), y_origin.astype(x.dtype)
 
-    def bprop(self, x, weight, group_index, out, dout):
-        if weight is None:
-            # y and y_origin are then one tensor, and PyNative may route its gradient to either
-            dout = (dout[0] + dout[1], dout[1])
-        return self.backward(x, weight, group_index, out, dout)
+    return forward
 
 
 def _swiglu_bprop(a):
@@ -121,6 +119,19 @@ def _swiglu_bprop(a):
     return bprop
 
 
+def _composed_bprop(a):
+    """The fused backward for the composition: without weight its y and y_origin are one
+    tensor, and PyNative may hand the gradient of y to either output slot."""
+    backward = _swiglu_bprop(a)
+
+    def bprop(x, weight, group_index, out, dout):
+        if weight is None:
+            dout = (dout[0] + dout[1], dout[1])
+        return backward(x, weight, group_index, out, dout)
+
+    return bprop
+
+
 SWIGLU_GROUP = OpDef(
     name=_FWD,
     inputs=("x", "weight", "group_index"),
@@ -130,8 +141,7 @@ SWIGLU_GROUP = OpDef(
     check_attrs=_check_clamp(_FWD),
     infer=_infer_forward,
     infer_dtype=_infer_forward_dtype,
-    cpu="SwigluGroup",
-    ascend=_ComposedSwiglu,
+    impls=(kernel("SwigluGroup"), composition(_forward_composed, grad=_composed_bprop)),
     bprop=_swiglu_bprop,
 )
 
@@ -180,6 +190,34 @@ def _infer_backward_dtype(a, grad_y, x, weight, y_origin, group_index):
     return x, "float32"
 
 
+def _backward_composed(a):
+    """The backward from MindSpore ops (SPEC §3: Atlas A2/A3 have no kernel for it)."""
+    c = a["clamp_limit"]
+
+    def backward(grad_y, x, weight, y_origin, group_index):
+        x0, x1, x0c, x1c = _clamped(x, c)
+        g = grad_y.astype(ms.float32)
+        lead = tuple(x.shape[:-1])
+        keep = None if group_index is None else _row_mask(lead, group_index)
+        if weight is None:
+            grad_w = ops.zeros(lead + (1,), ms.float32)
+        else:
+            grad_w = (g * y_origin.astype(ms.float32)).sum(-1, keepdims=True)
+            grad_w = grad_w if keep is None else grad_w * keep
+            g = g * weight
+        s = ops.sigmoid(x0c)
+        gx0 = g * x1c * s * (1 + x0c * (1 - s))
+        gx1 = g * x0c * s
+        if c > 0:  # the gradient passes strictly inside the clamp, on the original x
+            gx0 = gx0 * (x0 < c).astype(ms.float32)
+            gx1 = gx1 * ops.logical_and(x1 > -c, x1 < c).astype(ms.float32)
+        grad_x = ops.concat((gx0, gx1), -1)
+        grad_x = grad_x if keep is None else grad_x * keep
+        return grad_x.astype(x.dtype), grad_w
+
+    return backward
+
+
 SWIGLU_GROUP_QUANT_GRAD = OpDef(
     name=_BWD,
     inputs=("grad_y", "x", "weight", "y_origin", "group_index"),
@@ -189,9 +227,17 @@ SWIGLU_GROUP_QUANT_GRAD = OpDef(
     check_attrs=_check_clamp(_BWD),
     infer=_infer_backward,
     infer_dtype=_infer_backward_dtype,
-    cpu="SwigluGroupQuantGrad",
-    aclnn="aclnnSwigluGroupQuantGrad",
-    aclnn_args=("grad_y", "x", "weight", "y_origin", "group_index", "clamp_limit"),
+    impls=(
+        kernel("SwigluGroupQuantGrad"),
+        # groupIndexOptional is an aclTensor in the generated header (the seed text's aclIntArray
+        # is wrong); clampLimit is a double, and "off" must reach the kernel as -1
+        aclnn("aclnnSwigluGroupQuantGrad", "grad_y, x, weight, y_origin, group_index, "
+              "clamp_limit:double", socs=(ASCEND_950,),
+              dtypes=[(t, t, "float32", t, "int64", t, "float32") for t in FLOATS],
+              scalars=lambda a: {"clamp_limit": a["clamp_limit"] if a["clamp_limit"] > 0
+                                 else ACLNN_CLAMP_OFF}),
+        composition(_backward_composed),
+    ),
 )
 
 

@@ -1,0 +1,119 @@
+"""The Ascend implementations, checked as far as a CPU allows (no Ascend device here):
+
+- each one builds on CPU (the Custom primitive with its registration, MindSpore's built-in
+  primitive objects) for the attribute sets the tests use (conftest repeats this after the
+  session for every attribute set any test built);
+- compiled in GRAPH mode on CPU, as the resolver would pick it on Atlas A2 or Ascend 950,
+  MindSpore's own front end (argument handlers, type and shape inference of the built-in
+  primitives, our inference for the Custom ones) accepts it and only the CPU backend refuses:
+  no kernel for it on CPU.
+"""
+import numpy as np
+import pytest
+import mindspore as ms
+
+from ms_moe_ops import reference as ref
+from ms_moe_ops.ops import OPERATORS, _op, _platform
+from ms_moe_ops.ops.ffn import MOE_FFN
+from conftest import cpu_only, grad, run, tensor
+from test_compositions import CASES, _t
+
+pytestmark = cpu_only("builds the Ascend implementations on CPU, where they cannot run")
+
+ASCEND = [(op, impl) for op in OPERATORS for impl in op.impls if impl.target == "Ascend"]
+# The CPU backend's refusals once the front end is done (kernel selection / kernel build).
+BACKEND_REFUSALS = ("Kernel select failed", "on CPU, user defined function path 'aclnn")
+
+
+@pytest.mark.parametrize("op,impl", ASCEND, ids=[f"{o.name}-{i.name}" for o, i in ASCEND])
+def test_builds_on_cpu_for_every_tested_attribute_set(op, impl):
+    rng = np.random.default_rng(0)
+    attribute_sets = [op.resolve()]
+    for case in CASES.values():
+        case_op, _, attrs, _ = case(rng, "float32")
+        if case_op is op:
+            attribute_sets.append(op.resolve(**attrs))
+    assert attribute_sets
+    for attrs in attribute_sets:
+        assert callable(impl.build(op, attrs))
+
+
+def _int8_ffn_inputs(rng, output_dtype=None):
+    i8 = lambda *s: rng.integers(-128, 128, s).astype(np.int8)  # noqa: E731
+    deq = lambda *s: ref.float_to_deq_scale(rng.uniform(1e-4, 2e-4, s))  # noqa: E731
+    inputs = [i8(6, 4), np.array([2, 4], np.int64), i8(2, 4, 8), np.zeros((2, 8), np.int32),
+              i8(2, 8, 4), np.zeros((2, 4), np.int32), np.full(2, 100.0, np.float32),
+              np.zeros(2, np.float32), deq(2, 8), deq(2, 4)]
+    return MOE_FFN, inputs, dict(output_dtype=output_dtype or "")
+
+
+# (impl name, SoC, case, dtype): each Ascend implementation in a call it accepts
+FRONT_END = [
+    ("aclnn", _platform.A2, "router_groups_max", "bfloat16"),
+    ("aclnn", _platform.A3, "router_backward", "float16"),
+    ("aclnn", _platform.ASCEND_950, "swiglu_backward", "bfloat16"),
+    ("builtin", _platform.A2, "moe_ffn", "float16"),
+    ("builtin", _platform.A2, "moe_ffn_int8", "int8"),
+    ("builtin", _platform.A2, "grouped_matmul", "bfloat16"),
+    ("builtin", _platform.ASCEND_950, "grouped_matmul_transpose_weight", "float16"),
+    ("builtin", _platform.A3, "grouped_matmul_transpose_x", "float32"),
+    ("builtin", _platform.A2, "permute", "bfloat16"),
+    ("builtin", _platform.A2, "unpermute", "float16"),
+    ("builtin", _platform.A2, "unpermute_unweighted", "float32"),
+]
+
+
+def _on_ascend(monkeypatch, impl_name, soc):
+    monkeypatch.setattr(_platform, "device_target", lambda: "Ascend")
+    monkeypatch.setattr(_platform, "soc_family", lambda target=None: soc)
+    monkeypatch.setenv(_platform.IMPL_ENV, impl_name)
+
+
+def _backend_refuses(fn):
+    with pytest.raises(Exception) as info:  # noqa: PT011 (the message decides)
+        fn()
+    message = str(info.value)
+    assert any(words in message for words in BACKEND_REFUSALS), message.splitlines()[:6]
+
+
+@pytest.mark.parametrize("impl_name,soc,case,dtype", FRONT_END)
+def test_front_end_accepts(monkeypatch, impl_name, soc, case, dtype):
+    rng = np.random.default_rng(1)
+    if case == "moe_ffn_int8":
+        op, inputs, attrs = _int8_ffn_inputs(rng)
+    else:
+        op, inputs, attrs, _ = CASES[case](rng, dtype)
+    _on_ascend(monkeypatch, impl_name, soc)
+    args = [_t(a, dtype) for a in inputs]
+
+    def fn(*xs):
+        return op(*xs, **attrs)
+
+    _backend_refuses(lambda: run(fn, *args, mode="graph"))
+    signature = tuple(None if a is None else (a.dtype, tuple(a.shape)) for a in args)
+    platform = ("Ascend", soc, "graph", impl_name)
+    assert _op.choose(op, tuple(op.resolve(**attrs).items()), platform, signature).name == \
+        impl_name
+
+
+@pytest.mark.parametrize("case,wrt", [("grouped_matmul", (0, 1, 3)), ("moe_ffn", (0, 2, 4))])
+def test_front_end_accepts_the_builtin_backward(monkeypatch, case, wrt):
+    # grouped_matmul's backward is MindSpore's own gmm_backward; moe_ffn's (float16 through the
+    # built-in FFN) recomputes with grouped matmuls
+    op, inputs, attrs, _ = CASES[case](np.random.default_rng(2), "float16")
+    _on_ascend(monkeypatch, "builtin", _platform.A2)
+    args = [_t(a, "float16") for a in inputs]
+
+    def loss(*xs):
+        out = op(*xs, **attrs)
+        return out.astype(ms.float32).sum()
+
+    _backend_refuses(lambda: grad(loss, *args, mode="graph", argnums=wrt))
+
+
+def test_int8_ffn_without_a_fitting_builtin_names_platform_and_alternative(monkeypatch):
+    op, inputs, attrs = _int8_ffn_inputs(np.random.default_rng(3), "bfloat16")
+    monkeypatch.setattr(_platform, "device_target", lambda: "Ascend")
+    monkeypatch.setattr(_platform, "soc_family", lambda target=None: _platform.A2)
+    with pytest.raises(NotImplementedError, match=r"Ascend A2.*output_dtype='float16'.*CPU kernel"):
+        op(*[tensor(a) for a in inputs], **attrs)
