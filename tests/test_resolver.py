@@ -241,6 +241,12 @@ def test_validation_holds_for_every_implementation(monkeypatch):
         SWIGLU_GROUP(tensor(np.zeros((4, 5), np.float32)), None, None)
 
 
+def test_an_unhashable_attribute_is_the_attributes_type_error():
+    x, idx = tensor(np.zeros((2, 3), np.float32)), tensor(np.zeros((2, 1), np.int32))
+    with pytest.raises(TypeError, match="moe_token_permute: attribute 'num_experts' must be int"):
+        PERMUTE(x, idx, num_experts=[4])
+
+
 class _Permuter(nn.Cell):
     def construct(self, x, idx):
         return PERMUTE(x, idx, num_experts=4)[0]

@@ -199,8 +199,14 @@ def _signature(inputs):
 
 
 @functools.lru_cache(maxsize=4096, typed=True)  # typed: k=2.0 must not hit the entry of k=2
-def _attribute_items(op, **kwargs):
+def _cached_attribute_items(op, **kwargs):
     return tuple(op.resolve(**kwargs).items())
+
+
+def _attribute_items(op, **kwargs):
+    if all(isinstance(v, (bool, int, float, str)) for v in kwargs.values()):
+        return _cached_attribute_items(op, **kwargs)
+    return tuple(op.resolve(**kwargs).items())  # raises the attribute's own TypeError
 
 
 def _resolve_now(op, signature, **kwargs):
