@@ -15,7 +15,8 @@ import mindspore as ms
 from ms_moe_ops import reference as ref
 from ms_moe_ops.ops import OPERATORS, _op, _platform
 from ms_moe_ops.ops.ffn import MOE_FFN
-from conftest import cpu_only, grad, run, tensor
+from ms_moe_ops.ops.grouped_matmul import cover_every_row
+from conftest import cpu_only, grad, numpy, run, tensor
 from test_compositions import CASES, _t
 
 pytestmark = cpu_only("builds the Ascend implementations on CPU, where they cannot run")
@@ -57,6 +58,9 @@ FRONT_END = [
     ("builtin", _platform.A2, "grouped_matmul", "bfloat16"),
     ("builtin", _platform.ASCEND_950, "grouped_matmul_transpose_weight", "float16"),
     ("builtin", _platform.A3, "grouped_matmul_transpose_x", "float32"),
+    ("builtin", _platform.A2, "grouped_matmul_padded", "float16"),
+    ("builtin", _platform.A3, "grouped_matmul_transpose_x_padded", "bfloat16"),
+    ("builtin", _platform.A2, "moe_ffn_padded", "float16"),
     ("builtin", _platform.A2, "permute", "bfloat16"),
     ("builtin", _platform.A2, "unpermute", "float16"),
     ("builtin", _platform.A2, "unpermute_unweighted", "float32"),
@@ -117,3 +121,15 @@ def test_int8_ffn_without_a_fitting_builtin_names_platform_and_alternative(monke
     monkeypatch.setattr(_platform, "soc_family", lambda target=None: _platform.A2)
     with pytest.raises(NotImplementedError, match=r"Ascend A2.*output_dtype='float16'.*CPU kernel"):
         op(*[tensor(a) for a in inputs], **attrs)
+
+
+@pytest.mark.parametrize("group_list,cumulative,extended,rows", [
+    ([3, 0, 4], False, [3, 0, 7], 7), ([3, 3, 7], True, [3, 3, 10], 7),
+    ([3, 0, 7], False, [3, 0, 7], 10)])
+def test_padded_rows_join_the_last_group_and_are_masked(group_list, cumulative, extended, rows,
+                                                        mode):
+    # the built-in kernels need every row in a group: what their wrappers send them
+    fn = lambda g: cover_every_row(g, 10, cumulative)  # noqa: E731
+    every_row, covered = run(fn, tensor(np.array(group_list, np.int64)), mode=mode)
+    assert numpy(every_row).tolist() == extended
+    assert numpy(covered).ravel().tolist() == [True] * rows + [False] * (10 - rows)

@@ -108,15 +108,15 @@ def _activation_grad(rng, dtype, activation):
     return ffn.FFN_ACTIVATION_GRAD, [h, g], dict(activation=activation), golden
 
 
-def _ffn_case(rng, dtype, counts=(3, 0, 4)):
-    e, m, h, f = len(counts), sum(counts), 4, 5
+def _ffn_case(rng, dtype, counts=(3, 0, 4), padding=0):
+    e, m, h, f = len(counts), sum(counts) + padding, 4, 5
     r = lambda *shape: rounded(rng.normal(size=shape) * 0.7, dtype)  # noqa: E731
     return [r(m, h), np.array(counts, np.int64), r(e, h, f), r(e, f), r(e, f, h), r(e, h),
             None, None, None, None]
 
 
-def _moe_ffn(rng, dtype, activation="fastgelu", cumulative=False):
-    v = _ffn_case(rng, dtype)
+def _moe_ffn(rng, dtype, activation="fastgelu", cumulative=False, padding=0):
+    v = _ffn_case(rng, dtype, padding=padding)
     golden = ref.moe_ffn(v[0], v[1], v[2], v[4], v[3], v[5], activation=activation)
     if cumulative:
         v[1] = np.cumsum(v[1])
@@ -124,12 +124,12 @@ def _moe_ffn(rng, dtype, activation="fastgelu", cumulative=False):
     return ffn.MOE_FFN, v, attrs, (golden,)
 
 
-def _gmm(rng, dtype, form="plain", cumulative=False):
+def _gmm(rng, dtype, form="plain", cumulative=False, padding=0):
     counts = np.array([3, 0, 4], np.int64)
-    x = rounded(rng.normal(size=(7, 5)), dtype)
+    x = rounded(rng.normal(size=(7 + padding, 5)), dtype)
     w = rounded(rng.normal(size=(3, 5, 4)), dtype)
     b = rounded(rng.normal(size=(3, 4)), dtype)
-    dy = rounded(rng.normal(size=(7, 4)), dtype)
+    dy = rounded(rng.normal(size=(7 + padding, 4)), dtype)
     gl = np.cumsum(counts) if cumulative else counts
     if form == "transpose_weight":
         wt = w.transpose(0, 2, 1).copy()
@@ -196,6 +196,9 @@ CASES = {
     "grouped_matmul": _gmm,
     "grouped_matmul_transpose_weight": lambda r, d: _gmm(r, d, "transpose_weight", True),
     "grouped_matmul_transpose_x": lambda r, d: _gmm(r, d, "transpose_x"),
+    "grouped_matmul_padded": lambda r, d: _gmm(r, d, padding=3),
+    "grouped_matmul_transpose_x_padded": lambda r, d: _gmm(r, d, "transpose_x", True, 2),
+    "moe_ffn_padded": lambda r, d: _moe_ffn(r, d, "silu", padding=2),
     "permute": _permute,
     "unpermute": _unpermute,
     "unpermute_unweighted": lambda r, d: _unpermute(r, d, False),
@@ -290,6 +293,7 @@ GRADIENT_CASES = {
     "grouped_matmul": ("grouped_matmul", (0, 1, 3), (0,)),
     "grouped_matmul_transpose_weight": ("grouped_matmul_transpose_weight", (0, 1), (0,)),
     "grouped_matmul_transpose_x": ("grouped_matmul_transpose_x", (0, 1), (0,)),
+    "grouped_matmul_padded": ("grouped_matmul_padded", (0, 1, 3), (0,)),
     "permute": ("permute", (0,), (0,)),
     "unpermute": ("unpermute", (0, 2), (0,)),
 }
@@ -304,6 +308,7 @@ _GOLDEN = {
     "moe_ffn": lambda a: lambda x, t, w1, b1, w2, b2, *q: (ref.moe_ffn(
         x, t, w1, w2, b1, b2, activation=a["activation"]),),
     "grouped_matmul": lambda a: lambda x, w, gl, b: (ref.grouped_matmul(x, w, gl, b),),
+    "grouped_matmul_padded": lambda a: lambda x, w, gl, b: (ref.grouped_matmul(x, w, gl, b),),
     "grouped_matmul_transpose_weight": lambda a: lambda x, w, gl, b: (ref.grouped_matmul(
         x, w, np.diff(gl, prepend=0), transpose_weight=True),),
     "grouped_matmul_transpose_x": lambda a: lambda x, w, gl, b: (ref.grouped_matmul(

@@ -20,7 +20,7 @@ from ._checks import FLOATS, attr_error, check_dtype, check_range, check_rank, c
 from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
 from ._platform import A2, A3
-from .grouped_matmul import group_sum, grouped_matmul
+from .grouped_matmul import cover_every_row, group_sum, grouped_matmul
 
 _OP = "moe_ffn"
 MAX_EXPERTS = 256
@@ -188,9 +188,13 @@ def _ffn_builtin(a):
     cumulative = a["tokens_index_flag"]
 
     def ffn(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
-        if cumulative:  # aclnnFFN takes per-expert counts
+        # aclnnFFN takes per-expert counts covering every row: a padded batch's rows past the
+        # last expert go to it and are masked out
+        tokens, covered = cover_every_row(tokens, x.shape[0], cumulative)
+        if cumulative:
             tokens = tokens - ops.concat((ops.zeros((1,), ms.int64), tokens[:-1]))
-        return prim(x, w1, w2, tensor_to_tuple(tokens), b1, b2, scale, offset, dq1, dq2)
+        y = prim(x, w1, w2, tensor_to_tuple(tokens), b1, b2, scale, offset, dq1, dq2)
+        return y * covered.astype(y.dtype)
 
     return ffn
 

@@ -122,23 +122,38 @@ def _composed(a):
     return f
 
 
+def cover_every_row(group_list, rows, cumulative):
+    """(group list whose last group ends at the last row, [rows, 1] mask of the rows the given
+    groups cover). The Ascend kernels need the groups to cover every row; a padded batch's rows
+    past the last group then go to the last group and are masked out."""
+    ends = group_list if cumulative else ops.cumsum(group_list, 0)
+    covered = ops.arange(rows, dtype=ms.int64) < ends[-1]
+    last = ops.arange(group_list.shape[0], dtype=ms.int64) == group_list.shape[0] - 1
+    return group_list + last.astype(ms.int64) * (rows - ends[-1]), covered.reshape(-1, 1)
+
+
 def _builtin(a):
     """MindSpore's grouped matmul with a tensor group list (GmmV2: aclnnGroupedMatmul); it has
     no CPU kernel. transpose_x groups the reduced axis (group_type 2, x given as a transposed
-    view, as MindSpore's own backward does); bfloat16 takes a float32 bias."""
+    view, as MindSpore's own backward does); bfloat16 takes a float32 bias; rows past the last
+    group (a padded batch) are masked, as the kernel needs every row in a group."""
     from mindspore.ops.auto_generate import gmm_v2_op  # pylint: disable=import-outside-toplevel
 
-    list_type = 0 if a["cumulative"] else 1  # 0: cumulative ends, 1: counts
+    cumulative = a["cumulative"]
+    list_type = 0 if cumulative else 1  # 0: cumulative ends, 1: counts
     transpose_x, transpose_weight = a["transpose_x"], a["transpose_weight"]
 
     def f(x, weight, group_list, bias):
+        group_list, covered = cover_every_row(group_list, x.shape[0], cumulative)
         if transpose_x:
+            x = x * covered.astype(x.dtype)
             return gmm_v2_op([x.T], [weight], None, group_list, 2, list_type)[0]
         if transpose_weight:
             weight = weight.transpose(0, 2, 1)
         if bias is not None:
             bias = [bias.astype(ms.float32) if x.dtype == ms.bfloat16 else bias]
-        return gmm_v2_op([x], [weight], bias, group_list, 0, list_type)[0]
+        y = gmm_v2_op([x], [weight], bias, group_list, 0, list_type)[0]
+        return y * covered.astype(y.dtype)
 
     return f
 
@@ -154,7 +169,9 @@ def _builtin_grad(a):
     list_type = 0 if c else 1
 
     def bprop(x, weight, groups, bias, out, dout):
-        grads = gmm_v2_backward_op([dout], [x], [weight], groups, list_type)  # (dx, dweight)
+        every_row, covered = cover_every_row(groups, x.shape[0], c)
+        dy = dout * covered.astype(dout.dtype)  # the padded rows' outputs are constant zeros
+        grads = gmm_v2_backward_op([dy], [x], [weight], every_row, list_type)  # (dx, dweight)
         dbias = None if bias is None else group_sum(dout, groups, c)
         return grads[0], grads[1], ops.zeros_like(groups), dbias
 
