@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#define MOE_EXPORT extern "C" __attribute__((visibility("default")))
+#include "isa.h"
 
 // ---------------------------------------------------------------------------------------------
 // MindSpore AOT ABI. The header shipped in the wheel pulls in the whole framework, so this is a
@@ -46,36 +46,93 @@ class AotExtra {
 }  // namespace mindspore
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 
 using Extra = mindspore::AotExtra;
 
 // ---------------------------------------------------------------------------------------------
-// Element types. float16 uses the compiler's _Float16 (F16C instructions with -march=native);
-// bfloat16 is a 16-bit pattern converted by hand with round-to-nearest-even.
-using f16 = _Float16;
+// Element types: 16-bit patterns converted to and from float32 with round-to-nearest-even (NaN
+// stays a quiet NaN). float16 uses the hardware where the path has it (F16C, aarch64's FCVT),
+// else exact integer arithmetic.
+struct f16 {
+  uint16_t bits;
+};
 struct bf16 {
   uint16_t bits;
 };
 
-inline float to_f32(float v) { return v; }
-inline float to_f32(f16 v) { return static_cast<float>(v); }
-inline float to_f32(bf16 v) {
-  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+inline float bits_f32(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16 v) { return bits_f32(static_cast<uint32_t>(v.bits) << 16); }
+
+inline float half_to_f32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+  __fp16 v;
+  std::memcpy(&v, &h, 2);
+  return v;
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu,
+                 m = h & 0x3ffu;
+  if (e == 31) return bits_f32(sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u));
+  if (e == 0) {  // zero or subnormal: m * 2^-24, exact in float32
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((e + 112) << 23) | (m << 13));
+#endif
+}
+
+inline uint16_t f32_to_half(float v) {
+#if defined(__F16C__)
+  return static_cast<uint16_t>(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__aarch64__)
+  const __fp16 h = v;
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+#else
+  uint32_t u = f32_bits(v);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7e00u | ((u >> 13) & 0x3ffu);  // NaN, quiet
+  if (u >= 0x47800000u) return sign | 0x7c00u;                         // >= 2^16: inf
+  const uint32_t e = u >> 23;
+  if (e >= 113) {  // normal: rebias the exponent, round the mantissa (a carry may reach inf)
+    u -= 112u << 23;
+    u += 0xfffu + ((u >> 13) & 1u);
+    return sign | static_cast<uint16_t>(u >> 13);
+  }
+  if (e < 102) return sign;  // below 2^-25: rounds to zero
+  // subnormal: the 24-bit significand in units of 2^-24 (a carry may give the smallest normal)
+  const uint32_t m = (u & 0x7fffffu) | 0x800000u, shift = 126 - e;
+  const uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  return sign | static_cast<uint16_t>(q + (rem > half || (rem == half && (q & 1u))));
+#endif
+}
+
+inline float to_f32(f16 v) { return half_to_f32(v.bits); }
 
 template <typename T>
 inline T from_f32(float v);
 template <>
 inline float from_f32<float>(float v) { return v; }
 template <>
-inline f16 from_f32<f16>(float v) { return static_cast<f16>(v); }
+inline f16 from_f32<f16>(float v) { return f16{f32_to_half(v)}; }
 template <>
 inline bf16 from_f32<bf16>(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
+  uint32_t u = f32_bits(v);
   if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return bf16{static_cast<uint16_t>(u >> 16)};
@@ -237,4 +294,5 @@ inline float exp_approx(float x) {
 // Numerically safe for any x (x = +-100 gives 0 and 1, never inf or NaN), and vectorisable.
 inline float sigmoid(float x) { return 1.f / (1.f + exp_approx(-x)); }
 
+}  // namespace MOE_ISA_NS
 }  // namespace moe

@@ -8,6 +8,7 @@
 #include "gemm.h"
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 namespace {
 
 constexpr const char *kOp = "moe_ffn";
@@ -145,13 +146,12 @@ int activation_grad(const Args &args, Extra *extra) {
 }
 
 }  // namespace
+}  // namespace MOE_ISA_NS
 }  // namespace moe
-
-using namespace moe;
 
 // inputs (aclnnMoeFFN order): x [M, H], expert_tokens int64 [E], weight1 [E, H, F], bias1 [E, F],
 // weight2 [E, F, H], bias2 [E, H], scale, offset, deq_scale1, deq_scale2; output y [M, H].
-MOE_EXPORT int MoeFFN(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+MOE_KERNEL(MoeFFN)(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                       void *stream, void *extra_ptr) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   auto *extra = static_cast<Extra *>(extra_ptr);
@@ -162,7 +162,7 @@ MOE_EXPORT int MoeFFN(int nparam, void **params, int *ndims, int64_t **shapes, c
 }
 
 // inputs: h (pre-activation), grad_a (gradient of act(h)); outputs: grad_h, act(h).
-MOE_EXPORT int MoeFFNActivationGrad(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(MoeFFNActivationGrad)(int nparam, void **params, int *ndims, int64_t **shapes,
                                     const char **dtypes, void *stream, void *extra) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   return dispatch_float("moe_ffn_activation_grad", args[0].dtype, [&](auto tag) {

@@ -9,6 +9,7 @@
 #include "common.h"
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 
 enum class Activation { kFastGelu, kGelu, kRelu, kSilu, kUnknown };
 
@@ -68,4 +69,5 @@ inline int expert_offsets(const char *op, const Arg &tokens, bool cumulative, in
 // The int8 path of MoeFFN (ffn_int8.cc); same arguments as the MoeFFN entry point.
 int moe_ffn_int8(const Args &args, Extra *extra);
 
+}  // namespace MOE_ISA_NS
 }  // namespace moe

@@ -7,8 +7,6 @@
 // Integer sums wrap modulo 2^32 like the device's int32 accumulator, so the trick is exact.
 // The weights are repacked on every call (no cache that could go stale) into panels the 6 x 64
 // register tile streams; packing, conversion and the two products are one parallel region each.
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -18,6 +16,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 namespace {
 
 constexpr const char *kOp = "moe_ffn";
@@ -432,4 +431,5 @@ int moe_ffn_int8(const Args &args, Extra *extra) {
   return dispatch_float(kOp, a.y.dtype, [&](auto t) { return run<decltype(t)>(a, act, offsets); });
 }
 
+}  // namespace MOE_ISA_NS
 }  // namespace moe

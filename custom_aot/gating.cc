@@ -5,6 +5,7 @@
 #include "common.h"
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 namespace {
 
 constexpr int64_t kMaxExperts = 2048;
@@ -181,12 +182,11 @@ int gating_backward(const Args &args, Extra *extra, bool softmax) {
 }
 
 }  // namespace
+}  // namespace MOE_ISA_NS
 }  // namespace moe
 
-using namespace moe;
-
 // inputs: x [M, N], bias [N] or None; outputs: y [M, k], expert_idx [M, k] int32, x_norm [M, N] f32
-MOE_EXPORT int MoeGatingTopK(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(MoeGatingTopK)(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **dtypes, void *stream, void *extra_ptr) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   auto *extra = static_cast<Extra *>(extra_ptr);
@@ -215,7 +215,7 @@ MOE_EXPORT int MoeGatingTopK(int nparam, void **params, int *ndims, int64_t **sh
 }
 
 // inputs: x_norm [M, N] f32, grad_y [M, K], expert_idx [M, K] int32; output: grad_x [M, N]
-MOE_EXPORT int MoeGatingTopKBackward(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(MoeGatingTopKBackward)(int nparam, void **params, int *ndims, int64_t **shapes,
                                      const char **dtypes, void *stream, void *extra) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   return dispatch_float("moe_gating_top_k_backward", args[1].dtype, [&](auto tag) {
@@ -223,7 +223,7 @@ MOE_EXPORT int MoeGatingTopKBackward(int nparam, void **params, int *ndims, int6
   });
 }
 
-MOE_EXPORT int MoeGatingTopKSoftmaxBackward(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(MoeGatingTopKSoftmaxBackward)(int nparam, void **params, int *ndims, int64_t **shapes,
                                             const char **dtypes, void *stream, void *extra) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   return dispatch_float("moe_gating_top_k_softmax_backward", args[1].dtype, [&](auto tag) {

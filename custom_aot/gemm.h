@@ -12,6 +12,7 @@
 #include "common.h"
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 
 // Rows of a float16/bfloat16 operand converted per block; bounds the float32 workspace.
 constexpr int64_t kRowBlock = 512;
@@ -81,4 +82,5 @@ void fill_rows(float *dst, int64_t rows, int64_t n, const B *bias) {
   }
 }
 
+}  // namespace MOE_ISA_NS
 }  // namespace moe

@@ -9,6 +9,7 @@
 #include "gemm.h"
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 namespace {
 
 constexpr const char *kOp = "grouped_matmul";
@@ -69,13 +70,12 @@ void transposed_x_form(const Arg &x, const Arg &b, const std::vector<int64_t> &o
 }
 
 }  // namespace
+}  // namespace MOE_ISA_NS
 }  // namespace moe
-
-using namespace moe;
 
 // inputs: x [M, K], weight ([G, K, N], [G, N, K] transposed, or [M, N] with transpose_x),
 // group_list int64 [G], bias [G, N] or None; output [M, N] (or [G, K, N] with transpose_x).
-MOE_EXPORT int GroupedMatmul(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(GroupedMatmul)(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **dtypes, void *stream, void *extra_ptr) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   auto *extra = static_cast<Extra *>(extra_ptr);

@@ -13,6 +13,7 @@
 #include "common.h"
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 namespace {
 
 inline size_t element_size(DType t) {
@@ -108,13 +109,12 @@ int64_t slots_per_token(Extra *extra, const Arg &probs) {
 }
 
 }  // namespace
+}  // namespace MOE_ISA_NS
 }  // namespace moe
-
-using namespace moe;
 
 // inputs: x [T, H], expert_idx [T, K] int32; outputs: permuted [T*K, H], sorted_index [T*K] int32,
 // counts [E] int64. attr num_experts.
-MOE_EXPORT int MoeTokenPermute(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(MoeTokenPermute)(int nparam, void **params, int *ndims, int64_t **shapes,
                                const char **dtypes, void *stream, void *extra_ptr) {
   const char *op = "moe_token_permute";
   const Args args{nparam, params, ndims, shapes, dtypes};
@@ -153,7 +153,7 @@ MOE_EXPORT int MoeTokenPermute(int nparam, void **params, int *ndims, int64_t **
 
 // inputs: permuted [T*K, H], sorted_index [T*K] int32, probs [T, K] or None; output: out [T, H].
 // attr top_k (used without probs).
-MOE_EXPORT int MoeTokenUnpermute(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(MoeTokenUnpermute)(int nparam, void **params, int *ndims, int64_t **shapes,
                                  const char **dtypes, void *stream, void *extra_ptr) {
   const char *op = "moe_token_unpermute";
   const Args args{nparam, params, ndims, shapes, dtypes};
@@ -176,7 +176,7 @@ MOE_EXPORT int MoeTokenUnpermute(int nparam, void **params, int *ndims, int64_t 
 
 // inputs: permuted [T*K, H], sorted_index [T*K] int32, probs [T, K] or None, grad_out [T, H];
 // outputs: grad_permuted [T*K, H], grad_probs [T, K] (dtype of probs, float32 without probs).
-MOE_EXPORT int MoeTokenUnpermuteBackward(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(MoeTokenUnpermuteBackward)(int nparam, void **params, int *ndims, int64_t **shapes,
                                          const char **dtypes, void *stream, void *extra_ptr) {
   const char *op = "moe_token_unpermute_backward";
   const Args args{nparam, params, ndims, shapes, dtypes};

@@ -8,6 +8,7 @@
 #include "common.h"
 
 namespace moe {
+inline namespace MOE_ISA_NS {
 namespace {
 
 // sigma(a) and 1 - sigma(a), both from e^-|a| so neither overflows nor cancels.
@@ -290,13 +291,12 @@ int swiglu_backward(const Args &args, Extra *extra) {
 }
 
 }  // namespace
+}  // namespace MOE_ISA_NS
 }  // namespace moe
-
-using namespace moe;
 
 // inputs: x [.., 2H], weight [.., 1] f32 or None, group_index [G] int64 or None;
 // outputs: y [.., H], y_origin [.., H] (un-weighted); attr clamp_limit (> 0: clamp on)
-MOE_EXPORT int SwigluGroup(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(SwigluGroup)(int nparam, void **params, int *ndims, int64_t **shapes,
                            const char **dtypes, void *stream, void *extra) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   return dispatch_float("swiglu_group", args[0].dtype, [&](auto tag) {
@@ -307,7 +307,7 @@ MOE_EXPORT int SwigluGroup(int nparam, void **params, int *ndims, int64_t **shap
 // inputs: grad_y [.., H], x [.., 2H], weight [.., 1] f32 or None, y_origin [.., H] or None,
 // group_index [G] int64 or None; outputs: grad_x [.., 2H], grad_weight [.., 1] f32 (zeros
 // without weight); attr clamp_limit (> 0: clamp on)
-MOE_EXPORT int SwigluGroupQuantGrad(int nparam, void **params, int *ndims, int64_t **shapes,
+MOE_KERNEL(SwigluGroupQuantGrad)(int nparam, void **params, int *ndims, int64_t **shapes,
                                     const char **dtypes, void *stream, void *extra) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   return dispatch_float("swiglu_group_quant_grad", args[1].dtype, [&](auto tag) {

@@ -1,0 +1,76 @@
+// Instruction-set paths chosen at run time.
+//
+// setup.py compiles every kernel source once per path, each with its own -march, into its own
+// namespace moe::isa_<path> (MOE_ISA names the path; every name of the kernels lives in that
+// inline namespace, so the copies never mix). The baseline compile (no MOE_ISA given: the
+// generic path) also defines the exported entry points, which call the best path this CPU has,
+// or the one MS_MOE_OPS_ISA names (custom_aot/dispatch/isa.cc). On x86-64 the paths are
+// generic (any x86-64), avx2 (x86-64-v3) and avx512 (x86-64-v4 with VNNI); elsewhere generic.
+#pragma once
+
+#include <cstdint>
+
+#ifndef MOE_ISA
+#define MOE_ISA generic
+#define MOE_ENTRY_POINTS 1
+#endif
+
+#define MOE_CAT_(a, b) a##b
+#define MOE_CAT(a, b) MOE_CAT_(a, b)
+#define MOE_ISA_NS MOE_CAT(isa_, MOE_ISA)
+
+// Functions exported from the library: defined by the baseline compile only (a path compile
+// keeps its copy private, so each symbol is defined once).
+#if defined(MOE_ENTRY_POINTS)
+#define MOE_EXPORT extern "C" __attribute__((visibility("default")))
+#else
+#define MOE_EXPORT [[maybe_unused]] static
+#endif
+
+namespace moe {
+
+// MindSpore's CPU AOT kernel signature.
+using KernelFn = int(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
+                     void *stream, void *extra);
+
+namespace dispatch {
+// Index of the path a kernel call takes now (0 generic, 1 avx2, 2 avx512), or -1 after one
+// line on stderr when MS_MOE_OPS_ISA names an unknown path or one this CPU or build lacks.
+int path();
+}  // namespace dispatch
+
+}  // namespace moe
+
+#if defined(MOE_X86_PATHS)
+#define MOE_PATHS(name) &moe::isa_generic::name, &moe::isa_avx2::name, &moe::isa_avx512::name
+#define MOE_DECLARE_PATHS(name)                                                              \
+  namespace moe {                                                                            \
+  namespace isa_generic { KernelFn name; }                                                   \
+  namespace isa_avx2 { KernelFn name; }                                                      \
+  namespace isa_avx512 { KernelFn name; }                                                    \
+  }
+#else
+#define MOE_PATHS(name) &moe::isa_generic::name
+#define MOE_DECLARE_PATHS(name) namespace moe { namespace isa_generic { KernelFn name; } }
+#endif
+
+// Defines a kernel entry point, written as
+//   MOE_KERNEL(Name)(int nparam, void **params, int *ndims, int64_t **shapes,
+//                    const char **dtypes, void *stream, void *extra) { ... }
+// The body becomes moe::isa_<path>::Name; the baseline compile adds the exported `Name` that
+// calls the chosen path's copy.
+#if defined(MOE_ENTRY_POINTS)
+#define MOE_KERNEL(name)                                                                     \
+  MOE_DECLARE_PATHS(name)                                                                    \
+  MOE_EXPORT int name(int nparam, void **params, int *ndims, int64_t **shapes,               \
+                      const char **dtypes, void *stream, void *extra) {                      \
+    static moe::KernelFn *const paths[] = {MOE_PATHS(name)};                                 \
+    const int p = moe::dispatch::path();                                                     \
+    return p < 0 ? 1 : paths[p](nparam, params, ndims, shapes, dtypes, stream, extra);       \
+  }                                                                                          \
+  int moe::isa_generic::name
+#else
+#define MOE_KERNEL(name)                                                                     \
+  namespace moe { inline namespace MOE_ISA_NS { KernelFn name; } }                            \
+  int moe::MOE_ISA_NS::name
+#endif
