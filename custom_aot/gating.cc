@@ -202,7 +202,7 @@ MOE_KERNEL(MoeGatingTopK)(int nparam, void **params, int *ndims, int64_t **shape
   a.eps = extra->GetAttrFloat("eps");
   const int64_t m = x.dim(0), n = x.dim(1);
   if (n < 1 || n > kMaxExperts || a.k < 1 || a.k > n || a.group_count < 1 || n % a.group_count ||
-      a.k_group < 1 || a.k_group > a.group_count)
+      a.k_group < 1 || a.k_group > a.group_count || a.k > a.k_group * (n / a.group_count))
     return fail("moe_gating_top_k", "invalid shape or attributes (N=%lld, k=%d)", (long long)n, a.k);
   return dispatch_float("moe_gating_top_k", x.dtype, [&](auto tag) {
     using T = decltype(tag);
