@@ -142,9 +142,12 @@ class Library {
   Library &operator=(const Library &) = delete;
   ~Library() { dlclose(handle_); }
 
+  // Any exported symbol (nullptr when absent), e.g. MsMoeOpsIsaPaths.
+  void *symbol(const std::string &name) { return dlsym(handle_, name.c_str()); }
+
   // Calls `kernel` with args = inputs, then outputs (MindSpore's order); returns its status.
   int call(const std::string &kernel, const std::vector<Tensor *> &args, Attrs &attrs) {
-    auto fn = reinterpret_cast<moe::KernelFn *>(dlsym(handle_, kernel.c_str()));
+    auto fn = reinterpret_cast<moe::KernelFn *>(symbol(kernel));
     if (!fn) {
       std::fprintf(stderr, "harness: the library exports no kernel '%s'\n", kernel.c_str());
       std::exit(2);

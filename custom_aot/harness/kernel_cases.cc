@@ -4,6 +4,7 @@
 //
 //   kernel_cases LIBRARY OUTPUT      (MS_MOE_OPS_ISA picks the path, as in any process)
 //
+// Prints "paths: <the instruction-set paths the library offers on this CPU>" first.
 // OUTPUT holds one record per output tensor: a line "<case>/<output> <dtype> <d0,d1,...>
 // <nbytes>" followed by the raw bytes. Exit status 0, or 1 when a kernel reports an error.
 #include <cmath>
@@ -267,6 +268,9 @@ int main(int argc, char **argv) {
     return 2;
   }
   harness::Library lib(argv[1]);
+  auto paths = reinterpret_cast<const char *(*)()>(lib.symbol("MsMoeOpsIsaPaths"));
+  std::printf("paths: %s\n", paths ? paths() : "?");
+  std::fflush(stdout);
   FILE *out = std::fopen(argv[2], "wb");
   if (!out) {
     std::perror(argv[2]);
