@@ -5,6 +5,7 @@ The device comes from MS_MOE_OPS_DEVICE (default CPU), so the suite runs unchang
 machine: `MS_MOE_OPS_DEVICE=Ascend pytest`.
 """
 import os
+import re
 import zlib
 
 import numpy as np
@@ -19,7 +20,10 @@ ms.set_context(mode=ms.PYNATIVE_MODE)
 
 def seed_of(nodeid):
     """A stable seed of its own for every test (from its id, so order and selection do not
-    change the data a test sees)."""
+    change the data a test sees). The instruction-set path is left out of the id: every path
+    of a test sees the same data."""
+    nodeid = re.sub(r"\[(?:generic|avx2|avx512)\]|(?<=\[)(?:generic|avx2|avx512)-|"
+                    r"-(?:generic|avx2|avx512)(?=[-\]])", "", nodeid)
     return zlib.crc32(nodeid.encode())
 
 
@@ -154,3 +158,54 @@ def mode(request):
 @pytest.fixture(params=list(DTYPES))
 def dtype(request):
     return request.param
+
+
+# ---------------------------------------------------------------------------------------------
+# Instruction-set paths of the CPU kernels: a module or test marked `every_isa` runs once per path
+# this CPU offers (generic, avx2, avx512), through MS_MOE_OPS_ISA, which the kernels read at every
+# call. GRAPH-mode cases run the same kernels, so they run on the best path only.
+
+def isa_paths():
+    """The instruction-set paths the kernel library offers on this CPU, lowest first."""
+    import ctypes
+    from ms_moe_ops.ops._impls import kernel_library
+
+    lib = ctypes.CDLL(kernel_library())
+    lib.MsMoeOpsIsaPaths.restype = ctypes.c_char_p
+    return lib.MsMoeOpsIsaPaths().decode().split()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "every_isa: run under every instruction-set path of the CPU "
+                                       "kernels (GRAPH-mode cases on the best path only)")
+    config.addinivalue_line("markers", "best_isa_only: exempt a test of an every_isa module")
+
+
+def pytest_generate_tests(metafunc):
+    marked = metafunc.definition.get_closest_marker
+    if DEVICE == "CPU" and marked("every_isa") and not marked("best_isa_only"):
+        metafunc.parametrize("isa", isa_paths(), indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    if DEVICE != "CPU":
+        return
+    best = isa_paths()[-1]
+    keep, drop = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        params = params.params if params else {}
+        lower = params.get("isa", best) != best
+        (drop if lower and params.get("mode") == "graph" else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def isa(request, monkeypatch):
+    """The path a test marked every_isa runs on (None: the default, the best path)."""
+    path = getattr(request, "param", None)
+    if path is not None:
+        monkeypatch.setenv("MS_MOE_OPS_ISA", path)
+    return path

@@ -13,6 +13,8 @@ from ms_moe_ops import moe_ffn, reference
 from ms_moe_ops.nn import MoeFFN, QuantMoeFFN, quantize_moe_ffn
 from conftest import cpu_only, grad, numpy, run, tensor
 
+pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
+
 RNG = np.random.default_rng(7)
 ACTIVATIONS = ["fastgelu", "gelu", "relu", "silu"]
 NAMES = ("x", "tokens", "w1", "w2", "b1", "b2", "scale", "offset", "dq1", "dq2")
@@ -226,6 +228,7 @@ def _run_with_threads(threads, out):
 
 
 @cpu_only("the thread count of this package's OpenMP CPU kernel")
+@pytest.mark.best_isa_only  # two fresh processes: too slow to repeat per path
 def test_same_bits_whatever_the_thread_count(tmp_path):
     one = _run_with_threads(1, str(tmp_path / "one.npy"))
     two = _run_with_threads(2, str(tmp_path / "two.npy"))

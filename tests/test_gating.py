@@ -9,6 +9,8 @@ from ms_moe_ops import reference as ref
 from ms_moe_ops.ops.gating import GATING_SOFTMAX_BACKWARD
 from conftest import assert_close, cpu_only, finite_diff, grad, numpy, rounded, run, tensor
 
+pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
+
 RNG = np.random.default_rng(0)
 
 

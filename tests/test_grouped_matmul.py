@@ -6,6 +6,8 @@ import pytest
 from ms_moe_ops import grouped_matmul, reference
 from conftest import assert_close, cpu_only, finite_diff, grad, numpy, rounded, run, tensor
 
+pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
+
 RNG = np.random.default_rng(7)
 
 

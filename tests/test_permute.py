@@ -9,6 +9,8 @@ from ms_moe_ops.ops.permute import (moe_token_permute, moe_token_unpermute,
                                     moe_token_unpermute_backward)
 from conftest import assert_close, cpu_only, finite_diff, grad, numpy, rounded, run, tensor
 
+pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
+
 RNG = np.random.default_rng(0)
 
 

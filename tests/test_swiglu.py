@@ -9,6 +9,8 @@ from ms_moe_ops.ops import swiglu_group, swiglu_group_quant_grad
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
 from conftest import assert_close, cpu_only, finite_diff, grad, numpy, rounded, run, tensor
 
+pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
+
 RNG = np.random.default_rng(7)
 
 

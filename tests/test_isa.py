@@ -1,0 +1,129 @@
+"""The CPU kernels' instruction-set paths: which ones a CPU gets, how MS_MOE_OPS_ISA forces one,
+that the generic path runs on any x86-64 CPU, and rounding to float16/bfloat16 exactly to
+nearest-even on every path (the AVX-512, F16C and plain conversions are separate code)."""
+import glob
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ms_moe_ops import moe_token_unpermute, swiglu_group
+from ms_moe_ops.ops._impls import kernel_library
+from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
+from conftest import DEVICE, isa_paths, numpy, tensor
+
+pytestmark = [pytest.mark.every_isa, pytest.mark.skipif(DEVICE != "CPU", reason="CPU only: "
+                                                        "the CPU kernels' instruction sets")]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+x86_only = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 paths")
+
+
+def cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        return next(line for line in f if line.startswith("flags")).split(":")[1].split()
+
+
+@x86_only
+@pytest.mark.best_isa_only
+def test_paths_follow_the_cpu_flags():
+    flags = set(cpu_flags())
+    v3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"} <= flags
+    v4 = v3 and {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_vnni"} <= flags
+    assert isa_paths() == ["generic"] + ["avx2"] * v3 + ["avx512"] * v4
+
+
+@x86_only
+@pytest.mark.best_isa_only
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_generic_path_uses_only_baseline_x86_64():
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "check_baseline.py"),
+                           kernel_library()], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.best_isa_only
+@pytest.mark.parametrize("value, words", [("sse9", "is not a path"), ("AVX2", "is not a path")])
+def test_unknown_path_is_a_clear_error(value, words, monkeypatch, capfd):
+    monkeypatch.setenv("MS_MOE_OPS_ISA", value)
+    with pytest.raises(RuntimeError):
+        numpy(swiglu_group(tensor(np.ones((2, 4), np.float32)))[0])
+    assert f"MS_MOE_OPS_ISA={value} {words}" in capfd.readouterr().err
+
+
+def rne(values, dtype):
+    """values (exact in float64) rounded to nearest-even in float16/bfloat16, computed without
+    the kernels' algorithm: numpy's float16 cast, and np.rint on the scaled bfloat16 significand
+    (float32's exponent range: no subnormal or overflow case here)."""
+    values = np.asarray(values, np.float64)
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return values.astype(np.float32).astype(np.float16).astype(np.float64)
+    unit = 2.0 ** (np.floor(np.log2(np.abs(values))) - 7)
+    return np.rint(values / unit) * unit
+
+
+def ties(values, dtype):
+    """Which values lie exactly half-way between two neighbours of dtype."""
+    values = np.asarray(values, np.float64)
+    bits = 10 if dtype == "float16" else 7
+    unit = 2.0 ** (np.floor(np.log2(np.abs(values))) - bits)
+    return (values / unit) % 1 == 0.5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_swiglu_stores_round_half_to_even(dtype, rng):
+    # gate >= 88 makes sigmoid(gate) exactly 1, so y = gate * up exactly in float32, then rounded
+    # to dtype by the kernel's block store (vectors of 16 and a scalar tail: H = 71)
+    bits = 11 if dtype == "float16" else 8
+    gate = rng.integers(88, 256, 200_000).astype(np.float64)
+    up = rng.integers(2 ** (bits - 1), 2 ** bits, 200_000) * 2.0 ** (1 - bits) * rng.choice([-1, 1], 200_000)
+    product = gate * up
+    half_way = ties(product, dtype)
+    pick = np.concatenate([np.flatnonzero(half_way)[:142], np.flatnonzero(~half_way)[:142]])
+    rng.shuffle(pick)
+    gate, up, product = gate[pick].reshape(4, 71), up[pick].reshape(4, 71), product[pick].reshape(4, 71)
+    assert ties(product, dtype).sum() == 142
+    y, y_origin = SWIGLU_GROUP(tensor(np.concatenate([gate, up], axis=1), dtype), None, None,
+                               clamp_limit=0.0)
+    np.testing.assert_array_equal(numpy(y), rne(product, dtype))
+    np.testing.assert_array_equal(numpy(y_origin), rne(product, dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_scalar_conversions_round_half_to_even(dtype, rng):
+    # an unpermute with one slot per token: out[t, j] = probs[t] * row[j] in float32 (exact:
+    # powers of two), rounded to dtype one value at a time. Ties, float16 subnormals and
+    # float16 overflow included.
+    t = 512
+    row = np.array([1.0, 2.0 ** -8, 2.0 ** -14, 2.0 ** -20, 2.0 ** -24, 2.0 ** 8, 2.0 ** 15, 0.125])
+    bits = (rng.integers(105, 130, t).astype(np.uint32) << 23) | rng.integers(0, 1 << 23, t).astype(np.uint32)
+    bits[0::3] = (bits[0::3] & ~np.uint32(0x1FFF)) | 0x1000  # float16 ties
+    bits[1::3] = (bits[1::3] & ~np.uint32(0xFFFF)) | 0x8000  # bfloat16 ties
+    bits[1::2] |= np.uint32(0x80000000)
+    probs = bits.view(np.float32).reshape(t, 1)
+    expected = probs.astype(np.float64) * row
+    assert ties(expected, dtype).sum() > t // 4
+    out = moe_token_unpermute(tensor(np.tile(row, (t, 1)), dtype), tensor(np.arange(t, dtype=np.int32)),
+                              tensor(probs))
+    np.testing.assert_array_equal(numpy(out), rne(expected, dtype))
+
+
+@x86_only
+@pytest.mark.best_isa_only
+def test_emulated_hosts_agree():
+    """tools/check_hosts.py: aarch64 under qemu, and older x86-64 CPUs."""
+    missing = [t for t in ("aarch64-linux-gnu-g++", "qemu-aarch64", "qemu-x86_64")
+               if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (apt-get install g++-aarch64-linux-gnu qemu-user)")
+    if not glob.glob(os.path.join(ROOT, "ms_moe_ops", "_kernels*.so")):
+        pytest.skip("the package is not built in place (ms_moe_ops/_kernels*.so)")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "check_hosts.py")],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode == 3:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stdout + done.stderr
