@@ -1,0 +1,178 @@
+// Times the same kernel calls on several kernel libraries or instruction-set paths, in turns
+// within one process (so load changes on a shared machine hit every contender alike), at the
+// README's benchmark shapes. For comparing builds; the benchmarks/ scripts compare against other
+// implementations.
+//
+//   time_kernels [--rounds N] LABEL=LIBRARY[:PATH] ...
+//   time_kernels old=../main/ms_moe_ops/_kernels.so new=ms_moe_ops/_kernels.so
+//                new-avx2=ms_moe_ops/_kernels.so:avx2
+//
+// PATH sets MS_MOE_OPS_ISA for that contender's calls. Prints each case's median time per
+// contender and its ratio to the first contender.
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <memory>
+
+#include "aot_call.h"
+
+namespace {
+
+using harness::Attrs;
+using harness::Tensor;
+using harness::from_values;
+using harness::zeros;
+
+struct Contender {
+  std::string label, path;
+  std::unique_ptr<harness::Library> lib;
+};
+
+struct Case {
+  std::string name, kernel;
+  std::vector<Tensor> tensors;  // inputs then outputs
+  Attrs attrs;
+};
+
+Tensor none;
+
+Tensor random(harness::Rng &rng, const std::string &dtype, std::vector<int64_t> shape, double scale = 1.0) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return from_values(dtype, std::move(shape), rng.values(n, scale));
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  harness::Rng rng(1);
+  auto add = [&](std::string name, std::string kernel, std::vector<Tensor> t) {
+    out.push_back(Case{std::move(name), std::move(kernel), std::move(t), Attrs()});
+    return &out.back().attrs;
+  };
+  for (const char *dt : {"float32", "bfloat16"}) {  // SwiGLU, T=8192, H=2048
+    const int64_t t = 8192, h = 2048;
+    Tensor x = random(rng, dt, {t, 2 * h}, 4.0);
+    add(std::string("swiglu forward ") + dt, "SwigluGroup",
+        {x, none, none, zeros(dt, {t, h}), zeros(dt, {t, h})})->set_float("clamp_limit", 0.f);
+    add(std::string("swiglu backward ") + dt, "SwigluGroupQuantGrad",
+        {random(rng, dt, {t, h}), x, none, none, none, zeros(dt, {t, 2 * h}), zeros("float32", {t, 1})})
+        ->set_float("clamp_limit", 0.f);
+  }
+  {  // router, M=16384, N=256, K=8, 8 groups, top 4
+    const int64_t m = 16384, n = 256, k = 8;
+    Attrs *a = add("router forward", "MoeGatingTopK",
+                   {random(rng, "float32", {m, n}, 3.0), random(rng, "float32", {n}, 0.1),
+                    zeros("float32", {m, k}), zeros("int32", {m, k}), zeros("float32", {m, n})});
+    a->set_int("k", k).set_int("k_group", 4).set_int("group_count", 8).set_int("group_select_mode", 1);
+    a->set_int("renorm", 0).set_int("norm_type", 1).set_float("routed_scaling_factor", 2.5f).set_float("eps", 1e-20f);
+    std::vector<double> idx(m * k);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t p = 0; p < k; ++p) idx[i * k + p] = static_cast<double>((i * 7 + p * 31) % n);
+    add("router backward", "MoeGatingTopKBackward",
+        {random(rng, "float32", {m, n}), random(rng, "float32", {m, k}), from_values("int32", {m, k}, idx),
+         zeros("float32", {m, n})})
+        ->set_float("routed_scaling_factor", 2.5f).set_float("eps", 1e-20f);
+  }
+  {  // MoeFFN, M=4096, H=1024, F=2048, E=8
+    const int64_t m = 4096, h = 1024, f = 2048, e = 8;
+    Tensor tokens = from_values("int64", {e}, std::vector<double>(e, m / e));
+    add("moe_ffn float32 forward", "MoeFFN",
+        {random(rng, "float32", {m, h}), tokens, random(rng, "float32", {e, h, f}, 0.05), none,
+         random(rng, "float32", {e, f, h}, 0.05), none, none, none, none, none, zeros("float32", {m, h})})
+        ->set_str("activation", "fastgelu").set_bool("tokens_index_flag", false);
+    auto ints = [&](std::vector<int64_t> shape) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      std::vector<double> v(n);
+      for (double &x : v) x = static_cast<double>(rng.integer(-128, 127));
+      return from_values("int8", shape, v);
+    };
+    add("moe_ffn int8 forward", "MoeFFN",
+        {ints({m, h}), tokens, ints({e, h, f}), none, ints({e, f, h}), none,
+         from_values("float32", {e}, std::vector<double>(e, 0.05)), none,
+         from_values("float32", {e, f}, std::vector<double>(e * f, 1.0 / 65536)),
+         from_values("float32", {e, h}, std::vector<double>(e * h, 1.0 / 65536)), zeros("bfloat16", {m, h})})
+        ->set_str("activation", "fastgelu").set_bool("tokens_index_flag", false);
+    add("activation grad float32", "MoeFFNActivationGrad",
+        {random(rng, "float32", {m, f}, 4.0), random(rng, "float32", {m, f}), zeros("float32", {m, f}),
+         zeros("float32", {m, f})})
+        ->set_str("activation", "fastgelu");
+  }
+  {  // token permutation, T=8192, H=2048, K=8, E=64
+    const int64_t t = 8192, h = 2048, k = 8, e = 64;
+    std::vector<double> idx(t * k);
+    for (double &v : idx) v = static_cast<double>(rng.integer(0, e - 1));
+    Tensor x = random(rng, "float32", {t, h}), ei = from_values("int32", {t, k}, idx);
+    Tensor permuted = zeros("float32", {t * k, h}), sorted = zeros("int32", {t * k}), counts = zeros("int64", {e});
+    Attrs a;
+    a.set_int("num_experts", e).set_int("top_k", k);
+    out.push_back(Case{"permute", "MoeTokenPermute", {x, ei, permuted, sorted, counts}, a});
+    // sorted_index for the unpermute: any permutation of the rows works
+    std::vector<double> perm(t * k);
+    for (int64_t i = 0; i < t * k; ++i) perm[i] = static_cast<double>((i * 7919) % (t * k));
+    add("unpermute weighted", "MoeTokenUnpermute",
+        {zeros("float32", {t * k, h}), from_values("int32", {t * k}, perm), random(rng, "float32", {t, k}),
+         zeros("float32", {t, h})})
+        ->set_int("top_k", k);
+  }
+  return out;
+}
+
+double seconds(harness::Library &lib, Case &c) {
+  std::vector<Tensor *> args;
+  for (Tensor &t : c.tensors) args.push_back(&t);
+  const auto start = std::chrono::steady_clock::now();
+  if (int rc = lib.call(c.kernel, args, c.attrs)) {
+    std::fprintf(stderr, "time_kernels: %s returned %d\n", c.name.c_str(), rc);
+    std::exit(1);
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  int rounds = 7;
+  std::vector<Contender> contenders;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--rounds" && i + 1 < argc) {
+      rounds = std::atoi(argv[++i]);
+      continue;
+    }
+    const size_t eq = arg.find('='), colon = arg.rfind(':');
+    if (eq == std::string::npos) {
+      std::fprintf(stderr, "usage: %s [--rounds N] LABEL=LIBRARY[:PATH] ...\n", argv[0]);
+      return 2;
+    }
+    const bool has_path = colon != std::string::npos && colon > eq;
+    const std::string file = arg.substr(eq + 1, has_path ? colon - eq - 1 : std::string::npos);
+    contenders.push_back({arg.substr(0, eq), has_path ? arg.substr(colon + 1) : "",
+                          std::make_unique<harness::Library>(file)});
+  }
+  if (contenders.empty()) return 2;
+  std::printf("%-26s", "case (median ms)");
+  for (auto &c : contenders) std::printf(" %14s", c.label.c_str());
+  std::printf("   (ratio: time / %s's)\n", contenders[0].label.c_str());
+  for (Case &c : cases()) {
+    std::vector<std::vector<double>> times(contenders.size());
+    for (int r = -1; r < rounds; ++r)  // round -1 warms up
+      for (size_t i = 0; i < contenders.size(); ++i) {
+        if (contenders[i].path.empty()) unsetenv("MS_MOE_OPS_ISA");
+        else setenv("MS_MOE_OPS_ISA", contenders[i].path.c_str(), 1);
+        const double s = seconds(*contenders[i].lib, c);
+        if (r >= 0) times[i].push_back(s);
+      }
+    std::vector<double> med;
+    for (auto &t : times) {
+      std::sort(t.begin(), t.end());
+      med.push_back(t[t.size() / 2] * 1e3);
+    }
+    std::printf("%-26s", c.name.c_str());
+    for (size_t i = 0; i < med.size(); ++i)
+      std::printf(" %8.2f %5.2fx", med[i], med[i] / med[0]);
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  return 0;
+}
