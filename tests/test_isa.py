@@ -54,24 +54,33 @@ def test_unknown_path_is_a_clear_error(value, words, monkeypatch, capfd):
     assert f"MS_MOE_OPS_ISA={value} {words}" in capfd.readouterr().err
 
 
+def unit(values, bits):
+    """The spacing of a float with `bits` stored mantissa bits around each finite non-zero value
+    (float32's exponent range); 1 elsewhere."""
+    finite = np.isfinite(values) & (values != 0)
+    magnitude = np.abs(values, where=finite, out=np.ones_like(values))
+    return 2.0 ** (np.floor(np.log2(magnitude)) - bits), finite
+
+
 def rne(values, dtype):
     """values (exact in float64) rounded to nearest-even in float16/bfloat16, computed without
     the kernels' algorithm: numpy's float16 cast, and np.rint on the scaled bfloat16 significand
-    (float32's exponent range: no subnormal or overflow case here)."""
+    (float32's exponent range: no subnormal or overflow case)."""
     values = np.asarray(values, np.float64)
     if dtype == "float16":
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             return values.astype(np.float32).astype(np.float16).astype(np.float64)
-    unit = 2.0 ** (np.floor(np.log2(np.abs(values))) - 7)
-    return np.rint(values / unit) * unit
+    step, finite = unit(values, 7)
+    return np.where(finite, np.rint(values / step) * step, values)
 
 
 def ties(values, dtype):
-    """Which values lie exactly half-way between two neighbours of dtype."""
+    """Which values lie exactly half-way between two neighbours of dtype (normal range)."""
     values = np.asarray(values, np.float64)
-    bits = 10 if dtype == "float16" else 7
-    unit = 2.0 ** (np.floor(np.log2(np.abs(values))) - bits)
-    return (values / unit) % 1 == 0.5
+    step, finite = unit(values, 10 if dtype == "float16" else 7)
+    fraction = np.zeros_like(values)
+    fraction[finite] = (values[finite] / step[finite]) % 1
+    return fraction == 0.5
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -105,6 +114,11 @@ def test_scalar_conversions_round_half_to_even(dtype, rng):
     bits[1::3] = (bits[1::3] & ~np.uint32(0xFFFF)) | 0x8000  # bfloat16 ties
     bits[1::2] |= np.uint32(0x80000000)
     probs = bits.view(np.float32).reshape(t, 1)
+    # by hand, times the row's powers of two: 65520 (ties to inf in float16) and 65519; float16
+    # subnormal ties 1.5 * 2^-24, 2^-25, 2.5 * 2^-24; ties next to 1 in float16 (2^-11) and
+    # bfloat16 (2^-8); infinities and NaN
+    probs[:13, 0] = [65520 * 2.0 ** -15, 65519 * 2.0 ** -15, 1.5, 0.5, 2.5, 1 + 2.0 ** -11,
+                     1 + 3 * 2.0 ** -11, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, np.inf, -np.inf, np.nan, 0.0]
     expected = probs.astype(np.float64) * row
     assert ties(expected, dtype).sum() > t // 4
     out = moe_token_unpermute(tensor(np.tile(row, (t, 1)), dtype), tensor(np.arange(t, dtype=np.int32)),
