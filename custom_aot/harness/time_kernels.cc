@@ -3,11 +3,11 @@
 // README's benchmark shapes. For comparing builds; the benchmarks/ scripts compare against other
 // implementations.
 //
-//   time_kernels [--rounds N] LABEL=LIBRARY[:PATH] ...
+//   time_kernels [--rounds N] [--only WORD] LABEL=LIBRARY[:PATH] ...
 //   time_kernels old=../main/ms_moe_ops/_kernels.so new=ms_moe_ops/_kernels.so
 //                new-avx2=ms_moe_ops/_kernels.so:avx2
 //
-// PATH sets MS_MOE_OPS_ISA for that contender's calls. Prints each case's median time per
+// PATH sets MS_MOE_OPS_ISA for that contender's calls; --only keeps the cases whose name holds WORD. Prints each case's median time per
 // contender and its ratio to the first contender.
 #include <algorithm>
 #include <chrono>
@@ -133,6 +133,7 @@ double seconds(harness::Library &lib, Case &c) {
 
 int main(int argc, char **argv) {
   int rounds = 7;
+  std::string only;
   std::vector<Contender> contenders;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -140,9 +141,13 @@ int main(int argc, char **argv) {
       rounds = std::atoi(argv[++i]);
       continue;
     }
+    if (arg == "--only" && i + 1 < argc) {
+      only = argv[++i];
+      continue;
+    }
     const size_t eq = arg.find('='), colon = arg.rfind(':');
     if (eq == std::string::npos) {
-      std::fprintf(stderr, "usage: %s [--rounds N] LABEL=LIBRARY[:PATH] ...\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--rounds N] [--only WORD] LABEL=LIBRARY[:PATH] ...\n", argv[0]);
       return 2;
     }
     const bool has_path = colon != std::string::npos && colon > eq;
@@ -155,6 +160,7 @@ int main(int argc, char **argv) {
   for (auto &c : contenders) std::printf(" %14s", c.label.c_str());
   std::printf("   (ratio: time / %s's)\n", contenders[0].label.c_str());
   for (Case &c : cases()) {
+    if (c.name.find(only) == std::string::npos) continue;
     std::vector<std::vector<double>> times(contenders.size());
     for (int r = -1; r < rounds; ++r)  // round -1 warms up
       for (size_t i = 0; i < contenders.size(); ++i) {
