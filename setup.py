@@ -67,7 +67,7 @@ class BuildKernels(build_ext):
 
     def build_extension(self, ext):
         out = self.get_ext_fullpath(ext.name)
-        inputs = ext.sources + ext.depends + DISPATCH
+        inputs = ext.sources + ext.depends + DISPATCH + [__file__]  # the flags live here
         if not self.force and os.path.exists(out) and all(
                 os.path.getmtime(f) <= os.path.getmtime(out) for f in inputs):
             return
