@@ -70,8 +70,12 @@ def cpu_only(reason):
     return pytest.mark.skipif(DEVICE != "CPU", reason=f"CPU only: {reason}")
 
 DTYPES = {"float32": ms.float32, "float16": ms.float16, "bfloat16": ms.bfloat16}
-# Max abs error against the float64 golden model, relative to the output's scale.
-TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+# Per-element relative tolerance against a float64 golden model computed on the same (rounded)
+# inputs. For float16/bfloat16 it is the largest relative error of one rounding to nearest (half
+# an ulp: 2^-11, 2^-8), so a correctly rounded output passes and an error of one ulp fails.
+RTOL = {"float32": 1e-5, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+# Mantissa bits and smallest normal exponent of each dtype (for ulps).
+_FORMAT = {"float32": (23, -126), "float16": (10, -14), "bfloat16": (7, -126)}
 
 
 def tensor(array, dtype=None):
@@ -138,16 +142,53 @@ def finite_diff(f, x, eps=1e-6):
     return g
 
 
-def assert_close(actual, expected, dtype="float32", scale=None, tol=None):
-    """Max abs error <= tol * max(1, |expected|max) (or * scale)."""
+def _report(actual, expected, bound, what):
+    err = np.abs(actual - expected)
+    bad = err > bound
+    if bad.any():
+        i = np.unravel_index(np.argmax(err - bound), err.shape)
+        raise AssertionError(f"{int(bad.sum())} of {bad.size} elements off by more than {what}; "
+                             f"worst at {tuple(int(v) for v in i)}: got {actual[i]!r}, expected "
+                             f"{expected[i]!r} (error {err[i]:.3g} > {bound[i]:.3g})")
+
+
+def assert_close(actual, expected, dtype="float32", rtol=None, atol=None):
+    """Element by element: |actual - expected| <= rtol * |expected| + atol.
+
+    rtol defaults to RTOL[dtype]; atol, a floor for elements near zero (where cancellation makes
+    a relative bound meaningless), defaults to rtol * max|expected| / 20.
+    """
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    if scale is None:
-        scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
-    tol = TOL[dtype] if tol is None else tol
-    err = float(np.abs(actual - expected).max(initial=0.0))
-    assert err <= tol * scale, f"max abs error {err:.3g} > {tol * scale:.3g} ({dtype})"
+    rtol = RTOL[dtype] if rtol is None else rtol
+    if atol is None:
+        atol = rtol * float(np.abs(expected).max(initial=0.0)) / 20
+    bound = rtol * np.abs(expected) + atol
+    _report(actual, expected, np.broadcast_to(bound, expected.shape),
+            f"rtol={rtol:.3g}, atol={atol:.3g} ({dtype})")
+
+
+def ulp(values, dtype):
+    """The spacing of dtype's numbers at each value's magnitude (subnormal spacing near 0)."""
+    bits, min_exp = _FORMAT[dtype]
+    mag = np.abs(np.asarray(values, np.float64))
+    exp = np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
+    return np.exp2(np.maximum(exp, min_exp) - bits)
+
+
+def assert_rounded(actual, exact, dtype, err=None):
+    """Every element of a float16/bfloat16 output is the exact result rounded to nearest: within
+    half an ulp of `exact` (the float64 golden value on the same inputs), plus `err`, the
+    float32 arithmetic's own error before the rounding (default 2e-6 * |exact|; pass a bound such
+    as 1e-6 * (|A| @ |B|) for sums that cancel). A truncating or once-more rounded output is off
+    by up to a whole ulp and fails."""
+    actual = np.asarray(actual, np.float64)
+    exact = np.asarray(exact, np.float64)
+    assert actual.shape == exact.shape, (actual.shape, exact.shape)
+    err = 2e-6 * np.abs(exact) if err is None else err
+    bound = 0.5 * ulp(exact, dtype) + err
+    _report(actual, exact, np.broadcast_to(bound, exact.shape), f"half an ulp ({dtype})")
 
 
 @pytest.fixture(params=["pynative", "graph"])

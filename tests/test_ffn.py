@@ -127,7 +127,7 @@ def _check_gradients(v, tokens, mode="pynative", dtype="float32", tol=1e-4, **kw
     for name, g in zip(NAMES if bias else NAMES[:3], got):
         def f(a, name=name):
             return (_golden(dict(v, **{name: a}), golden_tokens, **kw) * r).sum()
-        assert_close(numpy(g), finite_diff(f, v[name]), dtype, tol=tol)
+        assert_close(numpy(g), finite_diff(f, v[name]), dtype, rtol=tol)
     return got
 
 

@@ -48,7 +48,7 @@ def test_many_rows_in_blocks(dtype):
     dw = grouped_matmul(t(x), t(dy), tensor(gl), transpose_x=True)
     assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), dtype)
     assert_close(numpy(dw), reference.grouped_matmul(x, dy, gl, transpose_x=True), dtype,
-                 tol=3e-2 if dtype == "bfloat16" else None)
+                 rtol=3e-2 if dtype == "bfloat16" else None)
 
 
 def test_cumulative_group_list():
@@ -118,7 +118,7 @@ def test_gradients_by_finite_differences(form, mode):
     names = ("x", "second", "b") if use_bias else ("x", "second")
     for name, g in zip(names, got):
         expected = finite_diff(lambda a: ref((name, a)), dict(x=x, second=second, b=b)[name])
-        assert_close(numpy(g), expected, tol=1e-4)
+        assert_close(numpy(g), expected, rtol=1e-4)
     if form == "plain":
         assert not numpy(got[1])[1].any(), "an empty group must get a zero weight gradient"
 
@@ -163,7 +163,7 @@ def test_gradient_low_precision(mode):
     got = grad(loss, bf(x), bf(w), bf(b), tensor(gl), mode=mode, argnums=(0, 1, 2))
     assert_close(numpy(got[0]), reference.grouped_matmul(dy, w, gl, transpose_weight=True), "bfloat16")
     expected_dw = reference.grouped_matmul(x, dy, gl, transpose_x=True)
-    assert_close(numpy(got[1]), expected_dw, "bfloat16", tol=3e-2)
+    assert_close(numpy(got[1]), expected_dw, "bfloat16", rtol=3e-2)
     assert not numpy(got[1])[2].any()
     assert_close(numpy(got[2]), [dy[:4].sum(0), dy[4:].sum(0), np.zeros(4)], "bfloat16")
 

@@ -96,7 +96,7 @@ def test_modes_and_dtypes(mode, dtype):
     assert out.shape == (12, 8) and out.dtype == tensor(x, dtype).dtype
     expected, _ = reference(layer, x)
     # the weights are rounded to the input dtype, and so is every intermediate result
-    assert_close(numpy(out), expected, dtype, tol={"float32": 1e-5, "float16": 5e-3,
+    assert_close(numpy(out), expected, dtype, rtol={"float32": 1e-5, "float16": 5e-3,
                                                    "bfloat16": 4e-2}[dtype])
 
 
@@ -163,7 +163,7 @@ def test_gradients_match_finite_differences(name, mode):
         out, _ = ref.moe_layer(**{**base, **config(layer), "x": x, "expert_idx": idx, **change})
         return float((out * cot).sum())
 
-    assert_close(gx, finite_diff(lambda v: objective(x=v), x), tol=1e-4)
+    assert_close(gx, finite_diff(lambda v: objective(x=v), x), rtol=1e-4)
     names = {"router.weight": "router_weight", "experts.weight1": "weight1",
              "experts.weight2": "weight2", "shared_experts.weight1": "shared_weight1",
              "shared_experts.weight2": "shared_weight2", "shared_experts.gate": "shared_gate"}
@@ -172,7 +172,7 @@ def test_gradients_match_finite_differences(name, mode):
         if arg in base:
             expected = finite_diff(lambda v: objective(**{arg: v}), base[arg])
             assert np.abs(expected).max() > 0, pname
-            assert_close(gw[pname], expected, tol=1e-4)
+            assert_close(gw[pname], expected, rtol=1e-4)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "fastgelu"])
@@ -182,9 +182,9 @@ def test_bfloat16_gradients_are_close(activation, mode):
     cot = np.ones((6, 4))
     gx, gw = layer_grads(layer, x, cot, mode, dtype="bfloat16")
     gx32, gw32 = layer_grads(layer, x, cot, mode)
-    assert_close(gx, gx32, "bfloat16", tol=5e-2)
+    assert_close(gx, gx32, "bfloat16", rtol=5e-2)
     for name in gw32:
-        assert_close(gw[name], gw32[name], "bfloat16", tol=5e-2)
+        assert_close(gw[name], gw32[name], "bfloat16", rtol=5e-2)
 
 
 # -- load balance, training, layout ---------------------------------------------------------------
@@ -316,7 +316,7 @@ def test_deepseek_v3_checkpoint_converter():
         w = scores[t, top] / scores[t, top].sum()
         expected[t] = sum(wi * mlp(x[t], f"experts.{i}.") for wi, i in zip(w, top))
         expected[t] += mlp(x[t], "shared_experts.")
-    assert_close(out, expected, tol=1e-5)
+    assert_close(out, expected, rtol=1e-5)
 
 
 def test_bad_configuration():
