@@ -1,0 +1,180 @@
+"""Mutation check: plants each bug of tools/mutations.py, one at a time, and runs the tests meant
+to catch it. A bug whose tests still pass "survived": the suite has a hole there.
+
+    python tools/mutate.py                 # every mutation
+    python tools/mutate.py --only ID ...   # some of them
+    python tools/mutate.py --list
+
+It works on a scratch copy of the repository (tracked and untracked files, plus the built kernel
+library), never on your files: edit and run tests meanwhile as you like. For each mutation it
+checks that the snippet occurs exactly once (otherwise the entry is "stale": the source changed,
+update the entry), writes the mutated file, rebuilds the kernels when a C++ file changed, runs
+the entry's tests (first failure stops them) and restores the file and the library, also on
+Ctrl-C. Before the first mutation the listed tests must pass on the unmutated copy (per build
+environment), or nothing could be concluded. Exit status 0 when every bug was caught.
+Not part of CI: a full run takes about 20-30 minutes on 2 cores.
+"""
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from mutations import MUTATIONS  # noqa: E402
+
+CPP = (".cc", ".h")
+TEST_TIMEOUT = 900  # seconds for one mutation's tests
+BUILD_TIMEOUT = 900
+
+
+def copy_repository(dest):
+    """Tracked and untracked (not ignored) files, and the built kernel library, into dest."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split("\n")
+    files += [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "ms_moe_ops", "_kernels*.so"))]
+    for rel in filter(None, files):
+        src = os.path.join(ROOT, rel)
+        if not os.path.isfile(src):
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+        shutil.copy2(src, os.path.join(dest, rel))
+
+
+def build(repo, env_extra, log):
+    env = dict(os.environ, **(env_extra or {}))
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "--force"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    with open(log, "a") as f:
+        f.write(proc.stdout + proc.stderr)
+    return proc.returncode == 0
+
+
+def run_tests(repo, tests, log):
+    """pytest exit code (0 passed, 1 a test failed, other: could not run) for tests in repo."""
+    env = dict(os.environ, PYTHONPATH=repo)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p",
+           "no:cacheprovider", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
+                              timeout=TEST_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    with open(log, "a") as f:
+        f.write(" ".join(cmd) + "\n" + proc.stdout[-20000:] + proc.stderr[-5000:])
+    return proc.returncode
+
+
+class Library:
+    """The kernel library of one build environment, built once and put back after a mutation."""
+
+    def __init__(self, repo, workdir):
+        self.repo, self.workdir, self.saved = repo, workdir, {}
+
+    def path(self):
+        return glob.glob(os.path.join(self.repo, "ms_moe_ops", "_kernels*.so"))[0]
+
+    def use(self, env, log):
+        key = tuple(sorted((env or {}).items()))
+        if key not in self.saved:
+            if key or not glob.glob(os.path.join(self.repo, "ms_moe_ops", "_kernels*.so")):
+                if not build(self.repo, env, log):
+                    raise RuntimeError(f"the unmutated sources do not build with {env}; see {log}")
+            self.saved[key] = os.path.join(self.workdir, f"kernels{len(self.saved)}.so")
+            shutil.copy2(self.path(), self.saved[key])
+        shutil.copy2(self.saved[key], self.path())
+        return key
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run these mutations only")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
+    args = parser.parse_args()
+    entries = [m for m in MUTATIONS if not args.only or m["id"] in args.only]
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m['id']:42s} {m['file']:32s} {m['what']}")
+        return 0
+    if args.only and len(entries) != len(args.only):
+        sys.exit(f"unknown ids: {sorted(set(args.only) - {m['id'] for m in MUTATIONS})}")
+
+    workdir = tempfile.mkdtemp(prefix="ms_moe_ops_mutate_")
+    repo = os.path.join(workdir, "repo")
+    log = os.path.join(workdir, "mutate.log")
+    print(f"scratch copy: {repo} (log: {log})", flush=True)
+    results = []
+    try:
+        copy_repository(repo)
+        library = Library(repo, workdir)
+        # the tests must pass before anything is planted, in every build environment used
+        for env in {tuple(sorted(m.get("build_env", {}).items())) for m in entries}:
+            library.use(dict(env), log)
+            tests = sorted({t for m in entries if tuple(sorted(m.get("build_env", {}).items())) == env
+                            for t in m["tests"]})
+            print(f"baseline {dict(env) or 'native'}: {len(tests)} test targets ...", flush=True)
+            if run_tests(repo, tests, log) != 0:
+                sys.exit(f"the listed tests fail without any mutation ({dict(env) or 'native'}); see {log}")
+        for m in entries:
+            results.append(mutate_one(m, repo, library, log))
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return report(results)
+
+
+def mutate_one(m, repo, library, log):
+    start = time.time()
+    path = os.path.join(repo, m["file"])
+    if not os.path.exists(path):
+        return m, "stale (file missing)", 0.0
+    with open(path, encoding="utf-8") as f:
+        original = f.read()
+    count = original.count(m["original"])
+    if count != 1:
+        return m, f"stale (snippet found {count} times)", 0.0
+    stat = os.stat(path)
+    cpp = m["file"].endswith(CPP)
+    env = m.get("build_env")
+    with open(log, "a") as f:
+        f.write(f"\n==== {m['id']}\n")
+    try:
+        library.use(env, log)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(original.replace(m["original"], m["replacement"]))
+        if cpp and not build(repo, env, log):
+            return m, "does not build", time.time() - start
+        code = run_tests(repo, m["tests"], log)
+        status = {0: "SURVIVED", 1: "caught"}.get(code, f"error (pytest: {code})")
+        return m, status, time.time() - start
+    finally:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(original)
+        os.utime(path, (stat.st_atime, stat.st_mtime))
+        if cpp:
+            library.use(env, log)
+
+
+def report(results):
+    width = max((len(m["id"]) for m, _, _ in results), default=10)
+    for m, status, seconds in results:
+        print(f"{m['id']:{width}s}  {status:24s} {seconds:6.0f} s  {m['what']}")
+    counts = {}
+    for _, status, _ in results:
+        key = status.split(" ")[0].lower()
+        counts[key] = counts.get(key, 0) + 1
+    print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    return 0 if counts.get("caught", 0) == len(results) else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the scratch copy was removed, your files were never touched")
