@@ -156,7 +156,8 @@ def assert_close(actual, expected, dtype="float32", rtol=None, atol=None):
     """Element by element: |actual - expected| <= rtol * |expected| + atol.
 
     rtol defaults to RTOL[dtype]; atol, a floor for elements near zero (where cancellation makes
-    a relative bound meaningless), defaults to rtol * max|expected| / 20.
+    a relative bound meaningless), defaults to rtol * max|expected| / 20; it may be an array
+    (for example rtol times the size of the terms that were summed).
     """
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
@@ -166,7 +167,7 @@ def assert_close(actual, expected, dtype="float32", rtol=None, atol=None):
         atol = rtol * float(np.abs(expected).max(initial=0.0)) / 20
     bound = rtol * np.abs(expected) + atol
     _report(actual, expected, np.broadcast_to(bound, expected.shape),
-            f"rtol={rtol:.3g}, atol={atol:.3g} ({dtype})")
+            f"rtol={rtol:.3g}, atol={np.max(atol):.3g} ({dtype})")
 
 
 def ulp(values, dtype):
