@@ -70,25 +70,37 @@ def run_tests(repo, tests, log):
     return proc.returncode
 
 
-class Library:
-    """The kernel library of one build environment, built once and put back after a mutation."""
+def env_key(env):
+    return tuple(sorted((env or {}).items()))
 
-    def __init__(self, repo, workdir):
-        self.repo, self.workdir, self.saved = repo, workdir, {}
+
+class Library:
+    """The unmutated kernel library of each build environment, built once and put back after
+    every mutation (the native one is the library copied with the repository, or built)."""
+
+    def __init__(self, repo, workdir, log):
+        self.repo, self.workdir, self.log, self.saved = repo, workdir, log, {}
+        if not glob.glob(os.path.join(repo, "ms_moe_ops", "_kernels*.so")):
+            self._build({})
+        self._save(())
 
     def path(self):
         return glob.glob(os.path.join(self.repo, "ms_moe_ops", "_kernels*.so"))[0]
 
-    def use(self, env, log):
-        key = tuple(sorted((env or {}).items()))
+    def _build(self, env):
+        if not build(self.repo, env, self.log):
+            raise RuntimeError(f"the unmutated sources do not build with {env}; see {self.log}")
+
+    def _save(self, key):
+        self.saved[key] = os.path.join(self.workdir, f"kernels{len(self.saved)}.so")
+        shutil.copy2(self.path(), self.saved[key])
+
+    def use(self, env):
+        key = env_key(env)
         if key not in self.saved:
-            if key or not glob.glob(os.path.join(self.repo, "ms_moe_ops", "_kernels*.so")):
-                if not build(self.repo, env, log):
-                    raise RuntimeError(f"the unmutated sources do not build with {env}; see {log}")
-            self.saved[key] = os.path.join(self.workdir, f"kernels{len(self.saved)}.so")
-            shutil.copy2(self.path(), self.saved[key])
+            self._build(dict(key))
+            self._save(key)
         shutil.copy2(self.saved[key], self.path())
-        return key
 
 
 def main():
@@ -112,21 +124,29 @@ def main():
     results = []
     try:
         copy_repository(repo)
-        library = Library(repo, workdir)
+        library = Library(repo, workdir, log)
         # the tests must pass before anything is planted, in every build environment used
-        for env in {tuple(sorted(m.get("build_env", {}).items())) for m in entries}:
-            library.use(dict(env), log)
-            tests = sorted({t for m in entries if tuple(sorted(m.get("build_env", {}).items())) == env
-                            for t in m["tests"]})
-            print(f"baseline {dict(env) or 'native'}: {len(tests)} test targets ...", flush=True)
+        for key in sorted({env_key(m.get("build_env")) for m in entries}):
+            library.use(dict(key))
+            tests = union([m["tests"] for m in entries if env_key(m.get("build_env")) == key])
+            print(f"baseline {dict(key) or 'native'}: {len(tests)} test targets ...", flush=True)
             if run_tests(repo, tests, log) != 0:
-                sys.exit(f"the listed tests fail without any mutation ({dict(env) or 'native'}); see {log}")
-        for m in entries:
+                sys.exit(f"the listed tests fail without any mutation ({dict(key) or 'native'}); "
+                         f"see {log}")
+        for i, m in enumerate(entries, 1):
             results.append(mutate_one(m, repo, library, log))
+            print(f"[{i}/{len(entries)}] {m['id']}: {results[-1][1]} ({results[-1][2]:.0f} s)",
+                  flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     return report(results)
+
+
+def union(test_lists):
+    """Every test target once; node ids inside a listed file are left to the file."""
+    targets = {t for tests in test_lists for t in tests}
+    return sorted(t for t in targets if "::" not in t or t.split("::")[0] not in targets)
 
 
 def mutate_one(m, repo, library, log):
@@ -145,7 +165,7 @@ def mutate_one(m, repo, library, log):
     with open(log, "a") as f:
         f.write(f"\n==== {m['id']}\n")
     try:
-        library.use(env, log)
+        library.use(env)
         with open(path, "w", encoding="utf-8") as f:
             f.write(original.replace(m["original"], m["replacement"]))
         if cpp and not build(repo, env, log):
@@ -158,7 +178,7 @@ def mutate_one(m, repo, library, log):
             f.write(original)
         os.utime(path, (stat.st_atime, stat.st_mtime))
         if cpp:
-            library.use(env, log)
+            library.use(env)
 
 
 def report(results):
