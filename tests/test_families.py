@@ -129,7 +129,7 @@ def compare(ours, theirs, family):
     assert set(gw) == set(expected) - {"router.expert_bias"}
     for name in gw:
         assert np.abs(expected[name]).max() > 0, name
-        assert_close(gw[name], expected[name], tol=2e-5)
+        assert_close(gw[name], expected[name], rtol=2e-5)
         errors[name] = np.abs(gw[name] - expected[name]).max()
     return errors
 
