@@ -26,6 +26,13 @@ def pytest_configure(config):
         config.option.randomly_reset_seed = False
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    # the order's seed also at the end, where `pytest -q` (which drops the header) shows it
+    if config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line(f"random test order: --randomly-seed="
+                                    f"{config.getoption('randomly_seed')} repeats it")
+
+
 def seed_of(nodeid):
     """A stable seed of its own for every test (from its id, so order and selection do not
     change the data a test sees). The instruction-set path is left out of the id: every path

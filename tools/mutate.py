@@ -12,7 +12,7 @@ update the entry), writes the mutated file, rebuilds the kernels when a C++ file
 the entry's tests (first failure stops them) and restores the file and the library, also on
 Ctrl-C. Before the first mutation the listed tests must pass on the unmutated copy (per build
 environment), or nothing could be concluded. Exit status 0 when every bug was caught.
-Not part of CI: a full run takes about 20-30 minutes on 2 cores.
+Not part of CI: a full run takes 30-45 minutes on 2 cores (about a minute per C++ rebuild).
 """
 import argparse
 import glob
