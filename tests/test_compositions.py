@@ -279,7 +279,7 @@ def _check_gradient(op, inputs, attrs, wrt, used, golden_fn, mode, rng):
             xs = list(inputs)
             xs[position] = v
             return sum((np.asarray(golden_fn(*xs)[i]) * weights[i]).sum() for i in used)
-        assert_close(numpy(got), finite_diff(f, inputs[position]), tol=1e-4)
+        assert_close(numpy(got), finite_diff(f, inputs[position]), rtol=1e-4)
 
 
 # name: (case, inputs differentiated, outputs in the loss). The router's x_norm is an output

@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
+
+from conftest import cpu_only
 
 _SCRIPT = r'''
 import sys
@@ -76,6 +77,7 @@ def _outputs(threads, path):
     return dict(np.load(path))
 
 
+@cpu_only("the thread counts of this package's OpenMP kernels and OpenBLAS")
 def test_same_bits_whatever_the_thread_count(tmp_path):
     runs = {n: _outputs(n, str(tmp_path / f"threads{n}.npz")) for n in (1, 2, 3)}
     for name, one in runs[1].items():

@@ -4,10 +4,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from mindspore import Tensor
-
 from ms_moe_ops import moe_ffn, reference
-from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD
 from conftest import (assert_close, assert_rounded, cpu_only, finite_diff, grad, numpy, rounded, run,
                       tensor)
 
@@ -199,17 +196,6 @@ def test_gradients_low_precision(dtype, mode, activation, rng):
                  gmm(ones, np.abs(dout), tokens, transpose_x=True)[:, 0])]
     for g, (exact, size) in zip(got, expected):
         assert_rounded(numpy(g), exact, dtype, err=1e-6 * size)
-
-
-def test_ascend_activation_gradient_composition(rng):
-    # the activation backward composed from MindSpore ops (used on Ascend) runs on CPU too
-    h = rng.uniform(-4, 4, (5, 9)).astype(np.float32)
-    ga = rng.normal(size=(5, 9)).astype(np.float32)
-    for activation in ACTIVATIONS:
-        composed = FFN_ACTIVATION_GRAD.ascend(FFN_ACTIVATION_GRAD.resolve(activation=activation))
-        gh, a = composed(Tensor(h), Tensor(ga))
-        assert_close(numpy(a), reference.ffn_activation(activation, h))
-        assert_close(numpy(gh), ga * _activation_derivative(activation, h.astype(np.float64)))
 
 
 # -- bad input ------------------------------------------------------------------------------------

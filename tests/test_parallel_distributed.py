@@ -119,8 +119,8 @@ def test_exchange_pair_is_an_alltoallv_and_its_transpose(launched):
 def test_output_and_input_gradient(launched, config, mode):
     ranks, single, _ = launched
     key = f"{config}/{mode}/"
-    assert_close(_concat(ranks, key + "out"), single[key + "out"], tol=TOL)
-    assert_close(_concat(ranks, key + "dx"), single[key + "dx"], tol=TOL)
+    assert_close(_concat(ranks, key + "out"), single[key + "out"], rtol=TOL)
+    assert_close(_concat(ranks, key + "dx"), single[key + "dx"], rtol=TOL)
 
 
 @pytest.mark.parametrize("config, mode", [r[:2] for r in case.RUNS], ids=RUN_IDS)
@@ -137,7 +137,7 @@ def test_parameter_gradients(launched, config, mode):
         else:
             got = sum(r[key + name] for r in ranks)
             assert not np.allclose(ranks[0][key + name], single[key + name], atol=TOL), name
-        assert_close(got, single[key + name], tol=TOL)
+        assert_close(got, single[key + name], rtol=TOL)
 
 
 @pytest.mark.parametrize("config, mode", [r[:2] for r in case.RUNS], ids=RUN_IDS)
@@ -154,7 +154,7 @@ def test_training_steps_match_one_process(launched, config, mode):
     ranks, single, _ = launched
     key = f"{config}/{mode}/"
     mean_loss = sum(r[key + "loss"] for r in ranks) / case.RANKS
-    assert_close(mean_loss, single[key + "loss"], tol=TOL)
+    assert_close(mean_loss, single[key + "loss"], rtol=TOL)
     assert single[key + "loss"][-1] < single[key + "loss"][0]
     prefix = key + "weights/"
     names = [k[len(prefix):] for k in single if k.startswith(prefix)]
@@ -166,7 +166,7 @@ def test_training_steps_match_one_process(launched, config, mode):
             for r in ranks[1:]:  # replicated: the same on every rank
                 np.testing.assert_array_equal(r[prefix + name], ranks[0][prefix + name], err_msg=name)
             got = ranks[0][prefix + name]
-        assert_close(got, single[prefix + name], tol=TOL)
+        assert_close(got, single[prefix + name], rtol=TOL)
     assert np.abs(single[key + "weights/router.expert_bias"]).max() > 0
 
 
@@ -181,7 +181,7 @@ def test_checkpoint_of_two_ranks_loads_in_one_process(launched, config, mode):
     layer = case.make_layer(config)
     assert not ms.load_param_into_net(layer, full)[0]  # nothing left unloaded
     x, _, _ = case.tokens()
-    assert_close(layer(Tensor(x)).asnumpy(), _concat(ranks, f"{config}/{mode}/trained_out"), tol=TOL)
+    assert_close(layer(Tensor(x)).asnumpy(), _concat(ranks, f"{config}/{mode}/trained_out"), rtol=TOL)
 
 
 def test_bfloat16_rows(launched):
