@@ -14,7 +14,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 import ep_case as case
-from conftest import DEVICE, assert_close, cpu_only
+from conftest import DEVICE, RTOL, assert_close, cpu_only
 from ms_moe_ops.parallel import LaunchError, gather_experts, is_expert_parameter, msrun
 
 pytestmark = cpu_only("the workers run on the CPU backend")
@@ -186,7 +186,12 @@ def test_checkpoint_of_two_ranks_loads_in_one_process(launched, config, mode):
 
 def test_bfloat16_rows(launched):
     ranks, single, _ = launched
-    assert_close(_concat(ranks, "swiglu/bfloat16/out"), single["swiglu/bfloat16/out"], "bfloat16")
+    # two bfloat16 runs of the layer that round its intermediate results in different
+    # groupings (rows split over the ranks): a few ulps apart, not half of one, and near zero
+    # (sums that cancel) an ulp of intermediates as large as the largest outputs
+    single_out = single["swiglu/bfloat16/out"]
+    assert_close(_concat(ranks, "swiglu/bfloat16/out"), single_out, "bfloat16",
+                 rtol=4 * RTOL["bfloat16"], atol=2 * RTOL["bfloat16"] * np.abs(single_out).max())
 
 
 def test_experts_must_divide_over_the_ranks(launched):
