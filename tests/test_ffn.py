@@ -9,6 +9,7 @@ from conftest import (assert_close, assert_rounded, cpu_only, finite_diff, grad,
                       tensor)
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
+
 ACTIVATIONS = ["fastgelu", "gelu", "relu", "silu"]
 
 

@@ -11,6 +11,7 @@ from ms_moe_ops.nn import MoeFFN, QuantMoeFFN, quantize_moe_ffn
 from conftest import cpu_only, grad, numpy, run, tensor
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
+
 ACTIVATIONS = ["fastgelu", "gelu", "relu", "silu"]
 NAMES = ("x", "tokens", "w1", "w2", "b1", "b2", "scale", "offset", "dq1", "dq2")
 

@@ -5,7 +5,7 @@ A truncating conversion, a conversion done twice or a half-precision intermediat
 a whole ulp in about half of the elements and fails.
 
 Shapes are chosen so that every vectorised conversion path runs along with its scalar tail
-(16-wide bfloat16 and 8-wide float16 blocks)."""
+(16-wide bfloat16 and 8-wide float16 blocks), on every instruction-set path."""
 import numpy as np
 import pytest
 from mindspore import Tensor
@@ -18,6 +18,7 @@ from ms_moe_ops.ops.permute import moe_token_unpermute_backward
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, swiglu_group_quant_grad
 from conftest import assert_rounded, numpy, rounded, tensor
 
+pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
 HALF = pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 EPS32 = 2.0 ** -24  # float32's unit roundoff
 
