@@ -153,7 +153,7 @@ def test_bad_configuration():
         MoeFFN(4, 8, 8, activation="gelu", clamp_limit=7.0)
     with pytest.raises(ValueError, match="num_experts"):
         MoeFFN(0, 8, 8)
-    with pytest.raises(ValueError, match="ffn_hidden_size"):
+    with pytest.raises(TypeError, match="ffn_hidden_size"):
         MoeFFN(4, 8, 2.5)
 
 

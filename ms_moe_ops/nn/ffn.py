@@ -6,6 +6,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import Uniform, initializer
 
 from .. import ops as moe_ops
+from ..ops._checks import int_arg
 
 __all__ = ["MoeFFN"]
 
@@ -34,10 +35,9 @@ class MoeFFN(nn.Cell):
     def __init__(self, num_experts, hidden_size, ffn_hidden_size, activation="fastgelu",
                  has_bias=False, clamp_limit=0.0):
         super().__init__()
-        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
-                            ("ffn_hidden_size", ffn_hidden_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MoeFFN: {name} must be a positive int, got {value!r}")
+        num_experts = int_arg("MoeFFN", "num_experts", num_experts)
+        hidden_size = int_arg("MoeFFN", "hidden_size", hidden_size)
+        ffn_hidden_size = int_arg("MoeFFN", "ffn_hidden_size", ffn_hidden_size)
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoeFFN: activation must be one of {ACTIVATIONS}, got {activation!r}")
         if clamp_limit > 0 and activation != "swiglu":

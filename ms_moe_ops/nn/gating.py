@@ -8,6 +8,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
+from ..ops._checks import int_arg
 from ..ops.gating import GATING_TOP_K, moe_gating_top_k
 from .losses import AuxLossScaler, balance_probs, router_z_loss, sequence_aux_loss, switch_aux_loss
 
@@ -46,9 +47,11 @@ class GatingTopK(nn.Cell):
         super().__init__()
         if score_func not in _SCORE_FUNCS:
             raise ValueError(f"GatingTopK: score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
-        for name, value in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GatingTopK: {name} must be a positive int, got {value!r}")
+        sizes = dict(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k, n_group=n_group,
+                     topk_group=topk_group)
+        hidden_size, num_experts, top_k, n_group, topk_group = (
+            int_arg("GatingTopK", name, value) for name, value in sizes.items())
+        group_select_mode = int_arg("GatingTopK", "group_select_mode", group_select_mode, 0)
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k

@@ -9,6 +9,7 @@ from mindspore import Parameter, nn, ops
 from mindspore.common.initializer import Uniform, initializer
 
 from .. import ops as moe_ops
+from ..ops._checks import int_arg
 from ..parallel.dispatcher import ExpertDispatcher
 from .config import MoEConfig
 from .ffn import ACTIVATIONS, MoeFFN
@@ -29,6 +30,8 @@ class SharedExperts(nn.Cell):
 
     def __init__(self, hidden_size, ffn_hidden_size, gate=False):
         super().__init__()
+        hidden_size = int_arg("SharedExperts", "hidden_size", hidden_size)
+        ffn_hidden_size = int_arg("SharedExperts", "ffn_hidden_size", ffn_hidden_size)
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.weight1 = Parameter(initializer(Uniform(1 / math.sqrt(hidden_size)),
@@ -115,8 +118,14 @@ class MoELayer(nn.Cell):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"MoELayer: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if not isinstance(n_shared_experts, int) or n_shared_experts < 0:
-            raise ValueError(f"MoELayer: n_shared_experts must be an int >= 0, got {n_shared_experts!r}")
+        hidden_size, ffn_hidden_size, num_experts, top_k = (
+            int_arg("MoELayer", name, value) for name, value in (
+                ("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
+                ("num_experts", num_experts), ("top_k", top_k)))
+        n_shared_experts = int_arg("MoELayer", "n_shared_experts", n_shared_experts, 0)
+        if shared_ffn_hidden_size is not None:
+            shared_ffn_hidden_size = int_arg("MoELayer", "shared_ffn_hidden_size",
+                                             shared_ffn_hidden_size)
         if shared_expert_gate and not n_shared_experts:
             raise ValueError("MoELayer: shared_expert_gate=True needs shared experts, got "
                              "n_shared_experts=0")

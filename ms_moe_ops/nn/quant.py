@@ -15,6 +15,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from .. import ops as moe_ops
+from ..ops._checks import dtype_arg
 from ..ops.ffn import ACTIVATIONS, OUTPUT_DTYPES
 from ..reference import _quant_activation, float_to_deq_scale
 
@@ -63,7 +64,8 @@ def quantize_moe_ffn(cell, calibration_x, expert_tokens, output_dtype="float16")
             `bias1` [E, F] / `bias2` [E, H] and `activation` in fastgelu/gelu/relu/silu).
         calibration_x: [M, H] float rows grouped by expert, representative of inference data.
         expert_tokens: [E] per-expert row counts of calibration_x.
-        output_dtype: dtype of the QuantMoeFFN's output: "float16", "bfloat16" or "float32".
+        output_dtype: dtype of the QuantMoeFFN's output: "float16", "bfloat16" or "float32" (or
+            the MindSpore dtype).
 
     Returns:
         QuantMoeFFN. An expert with no calibration rows gets the activation range of all rows.
@@ -72,9 +74,7 @@ def quantize_moe_ffn(cell, calibration_x, expert_tokens, output_dtype="float16")
     if activation not in ACTIVATIONS:
         raise ValueError(f"quantize_moe_ffn: activation must be one of {ACTIVATIONS} (the fused "
                          f"moe_ffn operator), got {activation!r}")
-    if output_dtype not in OUTPUT_DTYPES:
-        raise ValueError(f"quantize_moe_ffn: output_dtype must be one of {OUTPUT_DTYPES}, got "
-                         f"{output_dtype!r}")
+    output_dtype = dtype_arg("quantize_moe_ffn", "output_dtype", output_dtype, OUTPUT_DTYPES)
     w1 = _numpy(cell.weight1).astype(np.float64)
     w2 = _numpy(cell.weight2).astype(np.float64)
     e, hidden, ffn = w1.shape
@@ -137,7 +137,7 @@ class QuantMoeFFN(nn.Cell):
                  deq_scale2, activation="fastgelu", output_dtype="float16"):
         super().__init__()
         self.activation = activation
-        self.output_dtype = output_dtype
+        self.output_dtype = dtype_arg("QuantMoeFFN", "output_dtype", output_dtype, OUTPUT_DTYPES)
 
         def param(v, dtype, name):
             return None if v is None else Parameter(Tensor(np.asarray(v, dtype)), name=name,

@@ -1,5 +1,8 @@
 """Validation helpers for infer functions: every message names the operator, the argument, what
-was expected and what was given (SPEC error rules)."""
+was expected and what was given (SPEC error rules), and converters of Python arguments that take
+them as MindSpore does (numpy scalars for numbers, dtype objects for dtypes)."""
+import numbers
+
 import mindspore as ms
 
 FLOATS = ("float32", "float16", "bfloat16")
@@ -56,3 +59,29 @@ def check_range(op, name, value, lo, hi, what=""):
     if not lo <= value <= hi:
         extra = f" ({what})" if what else ""
         raise ValueError(f"{op}: {name} must be in [{lo}, {hi}]{extra}, got {value}")
+
+
+def int_arg(owner, name, value, minimum=1):
+    """value as a Python int (numpy integers too): TypeError for anything else (bools included),
+    ValueError below minimum."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"{owner}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def dtype_arg(owner, name, value, allowed):
+    """The name of a dtype given as a MindSpore dtype (ms.float16) or its name ("float16"); it
+    must be one of allowed (names). TypeError for other kinds of value, ValueError for others."""
+    expected = f"one of {', '.join(allowed)} (a name or a MindSpore dtype)"
+    if isinstance(value, ms.dtype.Type):
+        given = dtype_name(value)
+    elif isinstance(value, str):
+        given = value
+    else:
+        raise TypeError(f"{owner}: {name} must be {expected}, got {type(value).__name__} "
+                        f"({value!r})")
+    if given not in allowed:
+        raise ValueError(f"{owner}: {name} must be {expected}, got {value!r}")
+    return given

@@ -20,9 +20,12 @@ Choices are cached per (operator, attributes, target, SoC, mode, override, input
 """
 import functools
 import logging
+import numbers
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Tuple
 
+import numpy as np
+import mindspore as ms
 from mindspore import nn
 from mindspore.ops import functional as F
 
@@ -43,16 +46,26 @@ ACLNN_SCALARS = {"int": "int64_t", "bool": "bool", "float": "float", "double": "
 @dataclass(frozen=True)
 class Attr:
     """A typed attribute. `kind` is bool, int, float or str; floats reach the CPU kernel as
-    float32 (an aclnn binding declares its own C type for each scalar)."""
+    float32 (an aclnn binding declares its own C type for each scalar).
+
+    Values are taken as MindSpore's own operators take them: numpy scalars for bool, int and float
+    (an int for a float too, never a bool for a number), and a MindSpore dtype for a str
+    attribute (its name, e.g. ms.float16 -> "float16")."""
     name: str
     kind: type
     default: object
 
     def convert(self, op_name, value):
         kind = self.kind
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
+        if kind is bool:
+            ok = isinstance(value, (bool, np.bool_))
+        elif kind is str and isinstance(value, ms.dtype.Type):
+            value, ok = dtype_name(value), True
+        elif kind is str:
+            ok = isinstance(value, str)
+        else:
+            number = numbers.Integral if kind is int else numbers.Real
+            ok = isinstance(value, number) and not isinstance(value, bool)
         if not ok:
             raise TypeError(f"{op_name}: attribute '{self.name}' must be {kind.__name__}, "
                             f"got {type(value).__name__} ({value!r})")

@@ -37,7 +37,8 @@ def _check_activation(op, a):
 def _check_attrs(a):
     _check_activation(_OP, a)
     if a["output_dtype"] not in ("",) + OUTPUT_DTYPES:
-        raise attr_error(_OP, "output_dtype", f"None or one of {OUTPUT_DTYPES}", a["output_dtype"])
+        raise attr_error(_OP, "output_dtype", f"None or one of {OUTPUT_DTYPES} (names or MindSpore "
+                         f"dtypes)", a["output_dtype"])
 
 
 def _infer(a, x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
@@ -256,7 +257,8 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         scale, offset: [E] float32; deq_scale1: [E, F], deq_scale2: [E, H] uint64 (float32 bit
             patterns) or float32. Quant path only (required there, ValueError on the float path).
         activation: "fastgelu" (x * sigmoid(1.702 x)), "gelu" (tanh form), "relu" or "silu".
-        output_dtype: quant path only: "float16" (default), "bfloat16" or "float32".
+        output_dtype: quant path only: "float16" (default), "bfloat16" or "float32", or the
+            MindSpore dtype (ms.float32). On the float path only None or x's own dtype.
 
     Returns:
         y [M, H]: x's dtype (float path) or output_dtype (quant path). The float path is
