@@ -112,7 +112,10 @@ kernels = Extension(
     # without -D_GLIBCXX_USE_CXX11_ABI=0.
     extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0",
                         "-fvisibility=hidden", "-Wall", "-Wno-unused-function"],
-    extra_link_args=["-fopenmp"],
+    # Find the BLAS without help (e.g. when MindSpore loads a MINDIR with these kernels): next to
+    # an installed package ($ORIGIN/../scipy_openblas32/lib), or where it was at build time
+    # (editable installs).
+    extra_link_args=["-fopenmp", "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib", f"-Wl,-rpath,{libdir}"],
     language="c++",
 )
 

@@ -1,0 +1,67 @@
+"""Deployment: a net exported to MINDIR with these operators loads and runs in a fresh process
+(nothing preloaded: the kernel library finds its BLAS by itself), with the exporting process's
+results."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn
+
+from ms_moe_ops import MoELayer
+from conftest import cpu_only, numpy, tensor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.first = MoELayer(8, 6, 4, 2, n_shared_experts=1)
+        self.second = MoELayer(8, 6, 4, 2, activation="fastgelu")
+
+    def construct(self, x):
+        return self.second(self.first(x))
+
+
+def _net(rng):
+    net = _Net()
+    for p in net.trainable_params():
+        p.set_data(Tensor(rng.normal(0, 0.5, p.shape).astype(np.float32)))
+    return net
+
+
+def run_fresh(script, cwd):
+    """Runs a Python script in a new interpreter that imports this tree's ms_moe_ops, with no
+    library preloaded and no library path set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
+    env["PYTHONPATH"] = ROOT
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@cpu_only("the exported graph holds the CPU kernels")
+def test_mindir_runs_in_a_fresh_process(tmp_path, rng):
+    ms.set_context(mode=ms.GRAPH_MODE)
+    net = _net(rng)
+    x = rng.normal(0, 1, (7, 8)).astype(np.float32)
+    expected = numpy(net(tensor(x)))
+    ms.export(net, tensor(x), file_name=str(tmp_path / "moe"), file_format="MINDIR")
+    np.save(tmp_path / "x.npy", x)
+    run_fresh("""
+        import numpy as np
+        import mindspore as ms
+        ms.set_context(mode=ms.GRAPH_MODE)
+        x = ms.Tensor(np.load("x.npy"))
+        graph = ms.load("moe.mindir")
+        # first without importing the package, then after importing it
+        np.save("y_plain.npy", ms.nn.GraphCell(graph)(x).asnumpy())
+        import ms_moe_ops
+        np.save("y_imported.npy", ms.nn.GraphCell(ms.load("moe.mindir"))(x).asnumpy())
+    """, tmp_path)
+    np.testing.assert_array_equal(np.load(tmp_path / "y_plain.npy"), expected)
+    np.testing.assert_array_equal(np.load(tmp_path / "y_imported.npy"), expected)
