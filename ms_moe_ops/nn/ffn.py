@@ -2,18 +2,19 @@
 import math
 
 import mindspore as ms
-from mindspore import Parameter, nn, ops
+from mindspore import Parameter, ops
 from mindspore.common.initializer import Uniform, initializer
 
 from .. import ops as moe_ops
 from ..ops._checks import int_arg
+from ._precision import SelfCastingCell
 
 __all__ = ["MoeFFN"]
 
 ACTIVATIONS = ("fastgelu", "gelu", "relu", "silu", "swiglu")
 
 
-class MoeFFN(nn.Cell):
+class MoeFFN(SelfCastingCell):
     """The experts of a MoE layer: `y_rows(e) = act(x_rows(e) @ weight1[e] + bias1[e]) @ weight2[e]
     + bias2[e]`, expert e owning `expert_tokens[e]` consecutive rows (expert 0's rows first).
 
@@ -23,11 +24,14 @@ class MoeFFN(nn.Cell):
     (gate <= c, |up| <= c) as in GPT-OSS style experts.
 
     Parameters: `weight1` [E, H, F] ([E, H, 2F] for swiglu), `weight2` [E, F, H], and when
-    has_bias `bias1` [E, F] ([E, 2F]) and `bias2` [E, H]; stored in float32 and cast to the
-    input's dtype.
+    has_bias `bias1` [E, F] ([E, 2F]) and `bias2` [E, H]; stored in float32 (any float dtype
+    works) and cast to the compute dtype.
+
+    The experts compute in x's dtype, or in the dtype mixed precision asks for (`to_float`,
+    `auto_mixed_precision` O2/O3: `compute_dtype`), on this package's kernels.
 
     construct(x [M, H], expert_tokens int64 [E] counts, row_weight=None [M] or [M, 1]) -> [M, H]
-    in x's dtype. row_weight (float32, e.g. routing probabilities in row order) multiplies each
+    in the compute dtype. row_weight (float32, e.g. routing probabilities in row order) multiplies each
     output row; with swiglu it is swiglu_group's per-token weight, so its gradient comes from the
     fused backward.
     """
@@ -67,11 +71,12 @@ class MoeFFN(nn.Cell):
             self.bias2 = None
 
     def construct(self, x, expert_tokens, row_weight=None):
-        dtype = x.dtype
+        dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
+        x = x.astype(dtype)
         w1 = self.weight1.astype(dtype)
         w2 = self.weight2.astype(dtype)
         if row_weight is not None:
-            row_weight = row_weight.reshape(-1, 1).astype(ms.float32)
+            row_weight = row_weight.astype(ms.float32).reshape(-1, 1)
         if not self.swiglu:
             b1 = None if self.bias1 is None else self.bias1.astype(dtype)
             b2 = None if self.bias2 is None else self.bias2.astype(dtype)
@@ -86,18 +91,14 @@ class MoeFFN(nn.Cell):
         if self.has_bias:
             # bias2 is part of the expert, so the routing weight (applied inside swiglu_group)
             # must scale it too: added per row rather than by the grouped matmul
-            b2 = ops.gather(self.bias2, self._row_experts(expert_tokens, x.shape[0]), 0)
+            # (each row's expert bias: a grouped product of a column of ones with bias2)
+            ones = ops.ones((x.shape[0], 1), ms.float32)
+            b2 = moe_ops.grouped_matmul(ones, self.bias2.astype(ms.float32).expand_dims(1),
+                                        expert_tokens)
             if row_weight is not None:
                 b2 = b2 * row_weight
             y = (y.astype(ms.float32) + b2).astype(dtype)
         return y
-
-    def _row_experts(self, expert_tokens, rows):
-        """Expert id of every row (int32 [rows]) from the per-expert counts."""
-        ends = ops.cumsum(expert_tokens, 0)
-        row = ops.arange(rows, dtype=ms.int64).reshape(-1, 1)
-        owner = (row >= ends.reshape(1, -1)).astype(ms.int32).sum(axis=1)
-        return ops.minimum(owner, self.num_experts - 1)
 
     def extend_repr(self):
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

@@ -5,22 +5,24 @@ import numbers
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..ops._checks import int_arg
 from ..ops.gating import GATING_TOP_K, moe_gating_top_k
 from .losses import AuxLossScaler, balance_probs, router_z_loss, sequence_aux_loss, switch_aux_loss
+from ._precision import SelfCastingCell
 
 __all__ = ["GatingTopK"]
 
 _SCORE_FUNCS = {"sigmoid": 1, "softmax": 0}
 
 
-class GatingTopK(nn.Cell):
+class GatingTopK(SelfCastingCell):
     """Routes each token to top_k of num_experts experts.
 
-    Logits are computed in float32 (whatever the input dtype), scored with sigmoid or softmax,
+    Logits are computed in float32 (whatever the input and parameter dtypes, and whatever mixed
+    precision, `Cell.to_float` or `auto_mixed_precision`, asks for), scored with sigmoid or softmax,
     and experts chosen by score + `expert_bias` (optionally group-limited: the topk_group best of
     n_group groups). The weights come from the un-biased scores, renormalised when
     norm_topk_prob, times routed_scaling_factor.
@@ -86,25 +88,37 @@ class GatingTopK(nn.Cell):
                              f"n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
 
     def construct(self, hidden_states):
-        h = hidden_states.reshape(-1, self.hidden_size).astype(ms.float32)
+        if (self.expert_bias.dtype != ms.float32 or self.tokens_per_expert.dtype != ms.float32
+                or self.aux_losses.dtype != ms.float32):
+            raise TypeError(f"GatingTopK: its state ('expert_bias', 'tokens_per_expert', "
+                            f"'aux_losses') must stay float32 (a bias moved in small steps, "
+                            f"counters), got {self.expert_bias.dtype}, "
+                            f"{self.tokens_per_expert.dtype} and {self.aux_losses.dtype}; convert "
+                            f"only the trainable parameters to half precision")
+        # float32 whatever the input and parameter dtypes and mixed-precision flags
+        h = hidden_states.astype(ms.float32).reshape(-1, self.hidden_size)
         sequences = hidden_states.shape[0] if hidden_states.ndim == 3 else 1
-        logits = ops.matmul(h, self.weight.T)
+        logits = ops.matmul(h, self.weight.astype(ms.float32).T)
         weights, expert_idx, scores = moe_gating_top_k(
-            logits, self.top_k, self.expert_bias, k_group=self.topk_group,
+            logits, self.top_k, self.expert_bias.astype(ms.float32), k_group=self.topk_group,
             group_count=self.n_group, group_select_mode=self.group_select_mode,
             renorm=int(self.norm_topk_prob), norm_type=self.norm_type,
             routed_scaling_factor=self.routed_scaling_factor)
         if self.gather_unnormalised:
             weights = ops.gather_elements(scores, 1, expert_idx) * self.routed_scaling_factor
-        counts = ops.unsorted_segment_sum(ops.ones(expert_idx.size, ms.float32),
-                                          expert_idx.reshape(-1), self.num_experts)
-        load = ops.stop_gradient(counts)
+        # (a scatter-add, unlike unsorted_segment_sum, also takes zero tokens)
+        flat = expert_idx.reshape(-1)
+        counts = ops.tensor_scatter_elements(ops.zeros((self.num_experts,), ms.float32), flat,
+                                             ops.ones_like(flat).astype(ms.float32), axis=0,
+                                             reduction="add")
+        counts = ops.stop_gradient(counts)
+        load = counts
         if self.count_reducer is not None:
             load = self.count_reducer(load)  # every rank's tokens; the losses keep this rank's
         # depend: keeps the count update in the graph even when expert_idx is unused
         weights = ops.depend(weights, ops.assign_add(self.tokens_per_expert, load))
         if self.loss_scaler is not None:
-            losses = self._losses(logits, scores, expert_idx, ops.stop_gradient(counts), sequences)
+            losses = self._losses(logits, scores, expert_idx, counts, sequences)
             weights = self.loss_scaler(weights, losses)
             weights = ops.depend(weights, ops.assign(self.aux_losses, ops.stop_gradient(losses)))
         return weights, expert_idx

@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, nn, ops
+from mindspore import Parameter, ops
 from mindspore.common.initializer import Uniform, initializer
 
 from .. import ops as moe_ops
@@ -13,19 +13,21 @@ from ..ops._checks import int_arg
 from ..parallel.dispatcher import ExpertDispatcher
 from .config import MoEConfig
 from .ffn import ACTIVATIONS, MoeFFN
+from ._precision import SelfCastingCell, register_opaque_to_rewrite, reshape
 from .gating import GatingTopK
 
 __all__ = ["MoELayer", "SharedExperts", "moe_layers", "expert_load", "load_imbalance",
            "update_expert_bias", "reset_expert_load"]
 
 
-class SharedExperts(nn.Cell):
+class SharedExperts(SelfCastingCell):
     """The always-on experts: one dense SwiGLU MLP over every token, optionally gated.
 
     Parameters: `weight1` [H, 2F] (gate | up columns), `weight2` [F, H], float32, cast to the
-    input's dtype; with `gate=True` also `gate` [H]: each token's output is scaled by
-    `sigmoid(x . gate)` (Qwen2-MoE's shared-expert gate). Runs on the same grouped-matmul and
-    SwiGLU kernels as the routed experts (one group), so float16/bfloat16 work on every backend.
+    compute dtype (x's dtype or `compute_dtype`, as in MoeFFN); with `gate=True` also `gate` [H]:
+    each token's output is scaled by `sigmoid(x . gate)` (Qwen2-MoE's shared-expert gate, in
+    float32). Runs on the same grouped-matmul and SwiGLU kernels as the routed experts (one
+    group), so float16/bfloat16 work on every backend.
     """
 
     def __init__(self, hidden_size, ffn_hidden_size, gate=False):
@@ -44,17 +46,21 @@ class SharedExperts(nn.Cell):
                                           ms.float32), name="gate") if gate else None
 
     def construct(self, x):
+        dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
         rows = ops.fill(ms.int64, (1,), x.shape[0])
-        h = moe_ops.grouped_matmul(x, self.weight1.expand_dims(0).astype(x.dtype), rows)
-        a = moe_ops.swiglu_group(h)
-        y = moe_ops.grouped_matmul(a, self.weight2.expand_dims(0).astype(x.dtype), rows)
+        # [1, H, 2F] in float32 first: the CPU backend has no bfloat16 ExpandDims
+        w1 = self.weight1.astype(ms.float32).expand_dims(0).astype(dtype)
+        w2 = self.weight2.astype(ms.float32).expand_dims(0).astype(dtype)
+        h = moe_ops.grouped_matmul(x.astype(dtype), w1, rows)
+        y = moe_ops.grouped_matmul(moe_ops.swiglu_group(h), w2, rows)
         if self.gate is not None:
-            g = ops.sigmoid(ops.matmul(x.astype(ms.float32), self.gate.reshape(-1, 1)))
-            y = (y.astype(ms.float32) * g).astype(x.dtype)
+            gate = self.gate.astype(ms.float32).reshape(-1, 1)
+            g = ops.sigmoid(ops.matmul(x.astype(ms.float32), gate))
+            y = (y.astype(ms.float32) * g).astype(dtype)
         return y
 
 
-class MoELayer(nn.Cell):
+class MoELayer(SelfCastingCell):
     """A Mixture-of-Experts FFN block:
 
     `out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) + gate(x[t]) * shared(x[t])`
@@ -91,8 +97,10 @@ class MoELayer(nn.Cell):
     shared_ffn_hidden_size defaulting to ffn_hidden_size). All options together: `config`
     (a MoEConfig); `MoELayer.from_config(config)` builds a layer from one.
 
-    construct(hidden [B, S, H] or [T, H], float32/float16/bfloat16) -> same shape and dtype.
-    Gradients reach the input, the router weight and all expert weights. Load balance:
+    construct(hidden [B, S, H] or [T, H], float32/float16/bfloat16) -> same shape, in hidden's
+    dtype or in the dtype mixed precision asks for: `to_float` and `auto_mixed_precision` O2/O3
+    set the dtype the experts compute in; the router stays float32 and so do the routing
+    weights. Gradients reach the input, the router weight and all expert weights. Load balance:
     `router.tokens_per_expert` counts routed tokens (GRAPH mode too); call
     `update_expert_bias(model)` between training steps and `load_imbalance(model)` to watch it.
 
@@ -169,18 +177,18 @@ class MoELayer(nn.Cell):
 
     def construct(self, hidden):
         shape = hidden.shape
-        dtype = hidden.dtype
+        dtype = hidden.dtype if self.compute_dtype is None else self.compute_dtype
         # x is used once, in float32: the gradients of its three consumers then add up in float32
         # (MindSpore's CPU backend has no bfloat16 AddN)
-        x = hidden.reshape(-1, self.hidden_size).astype(ms.float32)
+        x = hidden.astype(ms.float32).reshape(-1, self.hidden_size)
         # the router sees the sequences ([B, S, H]) for its sequence-wise loss
         weights, expert_idx = self.router(x.reshape(shape))
         if self.dispatcher is None:
             permuted, position, counts = moe_ops.moe_token_permute(x.astype(dtype), expert_idx,
                                                                    self.num_experts)
             # the routing weight of each permuted row: row position[j] holds (token, slot) j
-            n = position.shape[0]
-            row_weight = ops.scatter_nd(position.reshape(-1, 1), weights.reshape(-1), (n,))
+            flat = weights.reshape(-1)
+            row_weight = ops.tensor_scatter_elements(ops.zeros_like(flat), position, flat, axis=0)
             y = self.experts(permuted, counts, row_weight)
             out = moe_ops.moe_token_unpermute(y, position, top_k=self.top_k)
         else:  # the same steps, the rows of other ranks' experts through the exchange
@@ -188,7 +196,10 @@ class MoELayer(nn.Cell):
             out = self.dispatcher.combine(self.experts(rows, counts), weights, route)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x.astype(dtype))
-        return out.reshape(shape)
+        return reshape(out, shape)
+
+
+register_opaque_to_rewrite(GatingTopK, MoeFFN, SharedExperts, MoELayer)
 
 
 # -- load balance -------------------------------------------------------------------------------

@@ -12,10 +12,11 @@ Scheme (what the int8 path of `moe_ffn` computes, SPEC §4):
 """
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, ops
 
 from .. import ops as moe_ops
 from ..ops._checks import dtype_arg
+from ._precision import SelfCastingCell, register_opaque_to_rewrite
 from ..ops.ffn import ACTIVATIONS, OUTPUT_DTYPES
 from ..reference import _quant_activation, float_to_deq_scale
 
@@ -123,12 +124,14 @@ def quantize_moe_ffn(cell, calibration_x, expert_tokens, output_dtype="float16")
                        output_dtype)
 
 
-class QuantMoeFFN(nn.Cell):
+class QuantMoeFFN(SelfCastingCell):
     """int8 inference MoeFFN (build it with `quantize_moe_ffn`).
 
     construct(x [M, H] float, expert_tokens int64 [E] counts) -> [M, H] in output_dtype:
     x is quantised with the static scale (round half to even, saturated), then both expert
     products run on the int8 path of `moe_ffn`. Inference only: asking for a gradient raises.
+    Mixed precision (`to_float`, `auto_mixed_precision`) changes nothing: the scales stay float32
+    and y has output_dtype.
     Parameters (x_step: the static x scale, int8 weights, int32 biases, float32 scale/offset,
     uint64 dequant scales) are saved and loaded with the usual checkpoint functions.
     """
@@ -164,3 +167,6 @@ class QuantMoeFFN(nn.Cell):
         e, h, f = self.weight1.shape
         return (f"num_experts={e}, hidden_size={h}, ffn_hidden_size={f}, "
                 f"activation={self.activation}, output_dtype={self.output_dtype}")
+
+
+register_opaque_to_rewrite(QuantMoeFFN)

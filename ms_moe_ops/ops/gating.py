@@ -61,12 +61,16 @@ def _infer_router_dtype(a, x, bias):
 def _router_bprop(a):
     sigmoid = a["norm_type"] == 1
     backward_args = dict(routed_scaling_factor=a["routed_scaling_factor"], eps=a["eps"])
+    one_expert = _sigmoid_backward_composed(a)  # N = 1, below the backward operator's N >= 2
 
     def bprop(x, bias, out, dout):
         _, expert_idx, x_norm = out
         dy, _, dx_norm = dout
         if sigmoid:
-            grad = moe_gating_top_k_backward(x_norm, dy, expert_idx, **backward_args)
+            if x_norm.shape[1] == 1:
+                grad = one_expert(x_norm, dy, expert_idx)
+            else:
+                grad = moe_gating_top_k_backward(x_norm, dy, expert_idx, **backward_args)
             direct = x_norm * (1 - x_norm) * dx_norm
         else:
             grad = GATING_SOFTMAX_BACKWARD(x_norm, dy, expert_idx, renorm=a["renorm"], **backward_args)
@@ -189,13 +193,13 @@ def moe_gating_top_k(x, k, bias=None, k_group=1, group_count=1, group_select_mod
 
 # -- backwards --------------------------------------------------------------------------------
 
-def _backward_infer(op):
+def _backward_infer(op, min_experts):
     def infer(a, x_norm, grad_y, expert_idx):
         check_rank(op, "x_norm", x_norm, 2)
         check_rank(op, "grad_y", grad_y, 2)
         check_rank(op, "expert_idx", expert_idx, 2)
         m, n = x_norm
-        check_range(op, "the expert count N (x_norm.shape[1])", n, 2, MAX_EXPERTS)
+        check_range(op, "the expert count N (x_norm.shape[1])", n, min_experts, MAX_EXPERTS)
         if grad_y[0] != m:
             raise ValueError(f"{op}: 'grad_y' must have M={m} rows like 'x_norm', got shape "
                              f"{list(grad_y)}")
@@ -250,8 +254,8 @@ GATING_BACKWARD = OpDef(
     attrs=(Attr("renorm", int, 0), Attr("norm_type", int, 1),
            Attr("routed_scaling_factor", float, 1.0), Attr("eps", float, 1e-20)),
     check_attrs=_check_sigmoid_only,
-    infer=_backward_infer("moe_gating_top_k_backward")[0],
-    infer_dtype=_backward_infer("moe_gating_top_k_backward")[1],
+    infer=_backward_infer("moe_gating_top_k_backward", 2)[0],  # the aclnn kernel's range
+    infer_dtype=_backward_infer("moe_gating_top_k_backward", 2)[1],
     impls=(
         kernel("MoeGatingTopKBackward"),
         aclnn("aclnnMoeGatingTopKBackward",
@@ -302,7 +306,7 @@ GATING_SOFTMAX_BACKWARD = OpDef(
     outputs=("grad_x",),
     attrs=(Attr("renorm", int, 0), Attr("routed_scaling_factor", float, 1.0),
            Attr("eps", float, 1e-20)),
-    infer=_backward_infer(_SOFTMAX_BWD)[0],
-    infer_dtype=_backward_infer(_SOFTMAX_BWD)[1],
+    infer=_backward_infer(_SOFTMAX_BWD, 1)[0],
+    infer_dtype=_backward_infer(_SOFTMAX_BWD, 1)[1],
     impls=(kernel("MoeGatingTopKSoftmaxBackward"), composition(_softmax_backward_composed)),
 )
