@@ -79,12 +79,15 @@ class _Holder(nn.Cell):
 
 
 class _TwoLayers(nn.Cell):
-    """A net of two MoE blocks (SwiGLU with a shared expert, then fastgelu experts)."""
+    """A net of two MoE blocks (SwiGLU with a shared expert, then fastgelu experts and a gated
+    shared expert), with the router's training losses."""
 
     def __init__(self):
         super().__init__()
-        self.first = MoELayer(8, 6, 4, 2, n_shared_experts=1, n_group=2, topk_group=1)
-        self.second = MoELayer(8, 6, 4, 2, activation="fastgelu")
+        self.first = MoELayer(8, 6, 4, 2, n_shared_experts=1, n_group=2, topk_group=1,
+                              seq_aux_loss_coeff=0.1)
+        self.second = MoELayer(8, 6, 4, 2, activation="fastgelu", shared_expert_gate=True,
+                               n_shared_experts=1, aux_loss_coeff=0.1, z_loss_coeff=0.01)
 
     def construct(self, x):
         return self.second(self.first(x) * 0.5)
@@ -195,5 +198,5 @@ def test_half_precision_router_state_is_refused(mode):
     layer = MoELayer(8, 6, 4, 2)
     layer.router.tokens_per_expert.set_dtype(ms.float16)
     _set_mode(mode)
-    with pytest.raises(TypeError, match="'tokens_per_expert', 'aux_losses'\) must stay float32"):
+    with pytest.raises(TypeError, match=r"'tokens_per_expert', 'aux_losses'\) must stay float32"):
         layer(tensor(np.zeros((3, 8), np.float32)))

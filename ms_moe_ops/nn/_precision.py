@@ -22,9 +22,18 @@ from mindspore.nn.cell import MixedPrecisionType
 _FLAGS = {"fp16": ms.float16, "bf16": ms.bfloat16, "fp32": ms.float32}
 
 
+def _take_precision(flags):
+    """Removes MindSpore's mixed-precision flags from flags: the dtype they ask for, or None."""
+    dtype = None
+    for name, flag_dtype in _FLAGS.items():
+        if flags.pop(name, False):
+            dtype = flag_dtype
+    return dtype
+
+
 class SelfCastingCell(nn.Cell):
     """A Cell that does its own casts: `compute_dtype` is the dtype a mixed-precision flag asked
-    for (None: none asked), and MindSpore inserts no casts inside it."""
+    for (None: none asked), and MindSpore inserts no casts inside it or its sub-cells."""
 
     def __init__(self):
         super().__init__()
@@ -33,10 +42,19 @@ class SelfCastingCell(nn.Cell):
         self.mixed_precision_type = MixedPrecisionType.NOTSET
 
     def add_flags(self, **flags):
-        for name, dtype in _FLAGS.items():
-            if flags.pop(name, False):
-                self.compute_dtype = dtype
+        dtype = _take_precision(flags)
+        if dtype is not None:
+            self.compute_dtype = dtype
         return super().add_flags(**flags)
+
+    def add_flags_recursive(self, **flags):
+        # the flags stop here; the Cells of this package inside take the dtype
+        dtype = _take_precision(flags)
+        if dtype is not None:
+            for _, cell in self.cells_and_names():
+                if isinstance(cell, SelfCastingCell):
+                    cell.compute_dtype = dtype
+        return super().add_flags_recursive(**flags)
 
 
 def register_opaque_to_rewrite(*cells):

@@ -10,15 +10,18 @@ Notation: T tokens, E experts, K experts per token; logits [T, E] float32; count
 (token, slot) pairs routed to expert e (the real top-k choice, bias and groups included).
 """
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, ops
+
+from ._precision import SelfCastingCell
 
 __all__ = ["AuxLossScaler", "balance_probs", "switch_aux_loss", "sequence_aux_loss",
            "router_z_loss"]
 
 
-class AuxLossScaler(nn.Cell):
+class AuxLossScaler(SelfCastingCell):
     """construct(x, losses [n]) -> x. Backward: x gets its own gradient unchanged, `losses` gets
-    `coeffs` [n] (float32), so the losses' gradients reach everything they were computed from."""
+    `coeffs` [n] (float32), so the losses' gradients reach everything they were computed from.
+    Mixed precision leaves x as it is (the router's float32 weights)."""
 
     def __init__(self, coeffs):
         super().__init__()

@@ -51,11 +51,13 @@ class SharedExperts(SelfCastingCell):
         # [1, H, 2F] in float32 first: the CPU backend has no bfloat16 ExpandDims
         w1 = self.weight1.astype(ms.float32).expand_dims(0).astype(dtype)
         w2 = self.weight2.astype(ms.float32).expand_dims(0).astype(dtype)
+        # x once, in float32: with the gate its two gradients add up in float32 (no bfloat16 AddN)
+        x = x.astype(ms.float32)
         h = moe_ops.grouped_matmul(x.astype(dtype), w1, rows)
         y = moe_ops.grouped_matmul(moe_ops.swiglu_group(h), w2, rows)
         if self.gate is not None:
             gate = self.gate.astype(ms.float32).reshape(-1, 1)
-            g = ops.sigmoid(ops.matmul(x.astype(ms.float32), gate))
+            g = ops.sigmoid(ops.matmul(x, gate))
             y = (y.astype(ms.float32) * g).astype(dtype)
         return y
 
