@@ -156,7 +156,7 @@ def _unpermute(rng, dtype, with_probs=True):
     idx = _routing(rng, 5, 3, 4)
     rows, sorted_index, _ = ref.moe_token_permute(x, idx, 4)
     probs = rounded(rng.uniform(0.1, 1, (5, 3)), dtype) if with_probs else None
-    attrs = dict(top_k=0 if with_probs else 3)
+    attrs = dict(top_k=0 if with_probs else 3, with_probs=with_probs)
     golden = ref.moe_token_unpermute(rows, sorted_index, probs, top_k=attrs["top_k"])
     return permute.UNPERMUTE, [rows, sorted_index, probs], attrs, (golden,)
 
@@ -170,7 +170,8 @@ def _unpermute_backward(rng, dtype, with_probs=True):
     top_k = 0 if with_probs else 2
     dp, dq = ref.moe_token_unpermute_backward(rows, sorted_index, probs, g, top_k=top_k)
     golden = (dp, np.zeros((5, 2)) if dq is None else dq)
-    return permute.UNPERMUTE_BACKWARD, [rows, sorted_index, probs, g], dict(top_k=top_k), golden
+    return (permute.UNPERMUTE_BACKWARD, [rows, sorted_index, probs, g],
+            dict(top_k=top_k, with_probs=with_probs), golden)
 
 
 CASES = {

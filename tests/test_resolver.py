@@ -107,10 +107,11 @@ SELECTION = [
     (PERMUTE, A2_GRAPH, sig(("bfloat16", (4, 64)), ("int32", (4, 600))), dict(num_experts=1024),
      "composition", "top-k 600 > 512"),
     (PERMUTE, GRAPH_950, PERMUTE_K8, dict(num_experts=64), "composition", "not documented on 950"),
-    (UNPERMUTE, A3_GRAPH, UNPERMUTE_K8, {}, "builtin", "top-k 8 <= 512"),
+    (UNPERMUTE, A3_GRAPH, UNPERMUTE_K8, dict(with_probs=True), "builtin", "top-k 8 <= 512"),
     (UNPERMUTE, A2_GRAPH, sig(("bfloat16", (1200, 64)), ("int32", (1200,)), None),
      dict(top_k=600), "composition", "top-k 600 > 512"),
-    (UNPERMUTE_BACKWARD, A2_GRAPH, UNPERMUTE_BWD, {}, "composition", "composed on Ascend"),
+    (UNPERMUTE_BACKWARD, A2_GRAPH, UNPERMUTE_BWD, dict(with_probs=True), "composition",
+     "composed on Ascend"),
 ]
 
 

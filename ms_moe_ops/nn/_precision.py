@@ -67,11 +67,3 @@ def register_opaque_to_rewrite(*cells):
     opaque = getattr(namespace, "_subtree_black_list", None)
     if isinstance(opaque, list):
         opaque.extend(c for c in cells if c not in opaque)
-
-
-def reshape(x, shape):
-    """x.reshape(shape); bfloat16 through float32 (exact), as MindSpore's CPU backend has no
-    bfloat16 Reshape in GRAPH mode."""
-    if x.dtype == ms.bfloat16:
-        return x.astype(ms.float32).reshape(shape).astype(ms.bfloat16)
-    return x.reshape(shape)

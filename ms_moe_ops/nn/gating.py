@@ -11,6 +11,7 @@ from mindspore.common.initializer import Normal, initializer
 from ..ops._checks import int_arg
 from ..ops.gating import GATING_TOP_K, moe_gating_top_k
 from .losses import AuxLossScaler, balance_probs, router_z_loss, sequence_aux_loss, switch_aux_loss
+from ._backend import project
 from ._precision import SelfCastingCell
 
 __all__ = ["GatingTopK"]
@@ -98,7 +99,7 @@ class GatingTopK(SelfCastingCell):
         # float32 whatever the input and parameter dtypes and mixed-precision flags
         h = hidden_states.astype(ms.float32).reshape(-1, self.hidden_size)
         sequences = hidden_states.shape[0] if hidden_states.ndim == 3 else 1
-        logits = ops.matmul(h, self.weight.astype(ms.float32).T)
+        logits = project(h, self.weight.astype(ms.float32))
         weights, expert_idx, scores = moe_gating_top_k(
             logits, self.top_k, self.expert_bias.astype(ms.float32), k_group=self.topk_group,
             group_count=self.n_group, group_select_mode=self.group_select_mode,

@@ -42,38 +42,43 @@ def balance_probs(scores, score_func):
     return scores / (scores.sum(axis=-1, keepdims=True) + 1e-20)
 
 
+# The losses hold for any number of tokens T, also T = 0 and T known only at run time (GRAPH mode
+# with set_inputs): T enters as a tensor (no branch on it, no Python arithmetic on a run-time
+# value), and no sum over the tokens goes straight to a scalar (MindSpore's CPU backend returns
+# garbage for such a sum over zero tokens): the sums keep the expert axis.
+
+def _tokens(probs):
+    """T as a float32 tensor, at least 1 (the losses are 0 for T = 0)."""
+    return ops.maximum(ops.dyn_shape(probs)[0].astype(ms.float32), 1.0)
+
+
 def switch_aux_loss(probs, counts):
     """Switch Transformer / GShard load-balancing loss, as transformers' load_balancing_loss_func:
     `L = E * sum_e (counts_e / T) * mean_t p_te`, which is K for perfectly uniform routing.
     Megatron's switch loss is this divided by K (1 when uniform): with Megatron's coefficients,
-    divide them by K. probs [T, E], counts [E] float32."""
-    t, num_experts = probs.shape
-    if t == 0:
-        return ops.zeros((), ms.float32)
-    return (counts * probs.sum(axis=0)).sum() * (num_experts / (t * t))
+    divide them by K. probs [T, E], counts [E] float32; 0 for T = 0."""
+    t = _tokens(probs)
+    return (counts * probs.sum(axis=0)).sum() * probs.shape[1] / (t * t)
 
 
 def sequence_aux_loss(probs, expert_idx, num_sequences):
     """DeepSeek-V3's complementary sequence-wise balance loss, averaged over the sequences:
     per sequence of S tokens, `sum_e f_e * P_e` with `f_e = E / (K S) * counts_e` (the
     sequence's own counts) and `P_e = mean_t p_te` (1 for uniform routing). probs [T, E],
-    expert_idx [T, K] int32; T = num_sequences * S, consecutive tokens forming a sequence."""
-    t, num_experts = probs.shape
-    if t == 0:
-        return ops.zeros((), ms.float32)
-    k = expert_idx.shape[1]
-    s = t // num_sequences
-    owner = (ops.arange(t, dtype=ms.int32) // s * num_experts).reshape(-1, 1)
-    counts = ops.unsorted_segment_sum(ops.ones((t * k,), ms.float32),
-                                      (expert_idx + owner).reshape(-1), num_sequences * num_experts)
-    counts = ops.stop_gradient(counts.reshape(num_sequences, num_experts))
-    p_sum = probs.reshape(num_sequences, s, num_experts).sum(axis=1)
-    return (counts * p_sum).sum() * (num_experts / (k * s * s * num_sequences))
+    expert_idx [T, K] int32; T = num_sequences * S, consecutive tokens forming a sequence; 0 for
+    T = 0."""
+    num_experts, k = probs.shape[1], expert_idx.shape[1]
+    # each sequence's (token, slot) pairs in one row, counted per expert
+    slots = expert_idx.reshape(num_sequences, -1)
+    counts = ops.tensor_scatter_elements(ops.zeros((num_sequences, num_experts), ms.float32),
+                                         slots, ops.ones_like(slots).astype(ms.float32), axis=1,
+                                         reduction="add")
+    p_sum = probs.reshape(num_sequences, -1, num_experts).sum(axis=1)
+    s = _tokens(probs) / num_sequences
+    return (ops.stop_gradient(counts) * p_sum).sum() * num_experts / (k * s * s * num_sequences)
 
 
 def router_z_loss(logits):
-    """ST-MoE router z-loss: `mean_t logsumexp(logits_t)^2`."""
-    if logits.shape[0] == 0:
-        return ops.zeros((), ms.float32)
-    lse = ops.logsumexp(logits, -1)
-    return (lse * lse).mean()
+    """ST-MoE router z-loss: `mean_t logsumexp(logits_t)^2`; 0 for T = 0."""
+    lse = ops.logsumexp(logits, -1).reshape(-1, 1)
+    return (lse * lse).sum(axis=0).reshape(()) / _tokens(logits)

@@ -13,7 +13,8 @@ from ..ops._checks import int_arg
 from ..parallel.dispatcher import ExpertDispatcher
 from .config import MoEConfig
 from .ffn import ACTIVATIONS, MoeFFN
-from ._precision import SelfCastingCell, register_opaque_to_rewrite, reshape
+from ._backend import project, reshape
+from ._precision import SelfCastingCell, register_opaque_to_rewrite
 from .gating import GatingTopK
 
 __all__ = ["MoELayer", "SharedExperts", "moe_layers", "expert_load", "load_imbalance",
@@ -56,8 +57,7 @@ class SharedExperts(SelfCastingCell):
         h = moe_ops.grouped_matmul(x.astype(dtype), w1, rows)
         y = moe_ops.grouped_matmul(moe_ops.swiglu_group(h), w2, rows)
         if self.gate is not None:
-            gate = self.gate.astype(ms.float32).reshape(-1, 1)
-            g = ops.sigmoid(ops.matmul(x, gate))
+            g = ops.sigmoid(project(x, self.gate.astype(ms.float32).reshape(1, -1)))
             y = (y.astype(ms.float32) * g).astype(dtype)
         return y
 

@@ -41,22 +41,54 @@ def check_same_dtype(op, name, dtype, other_name, other_dtype):
                         f"got {dtype}")
 
 
+# Shapes from `set_inputs(Tensor(shape=[None, ...]))` hold -1 for a dimension known only at run
+# time, or are [-2] when even the rank is: the checks below pass what they cannot know yet.
+UNKNOWN_RANK = -2
+
+
+def unknown_rank(shape):
+    return len(shape) == 1 and shape[0] == UNKNOWN_RANK
+
+
+def known(dim):
+    return dim >= 0
+
+
+def differ(a, b):
+    """Two dimensions that are both known and not equal."""
+    return known(a) and known(b) and a != b
+
+
+def product(a, b):
+    """a * b, unknown (-1) when either is."""
+    return a * b if known(a) and known(b) else -1
+
+
 def check_rank(op, name, shape, ranks):
     ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
-    if len(shape) not in ranks:
+    if len(shape) not in ranks and not unknown_rank(shape):
         want = " or ".join(f"{r}-D" for r in ranks)
         raise ValueError(f"{op}: '{name}' must be {want}, got shape {list(shape)}")
 
 
+def dims(op, name, shape, rank):
+    """The `rank` dimensions of shape after checking its rank (all unknown for an unknown rank)."""
+    check_rank(op, name, shape, rank)
+    return [-1] * rank if unknown_rank(shape) else list(shape)
+
+
 def check_shape(op, name, shape, expected, what=""):
-    if list(shape) != list(expected):
+    if unknown_rank(shape) or unknown_rank(expected):
+        return
+    if len(shape) != len(expected) or any(differ(a, b) for a, b in zip(shape, expected)):
         extra = f" ({what})" if what else ""
         raise ValueError(f"{op}: '{name}' must have shape {list(expected)}{extra}, "
                          f"got {list(shape)}")
 
 
 def check_range(op, name, value, lo, hi, what=""):
-    if not lo <= value <= hi:
+    """lo <= value <= hi for a known value (hi unknown: no upper bound)."""
+    if known(value) and (value < lo or (known(hi) and value > hi)):
         extra = f" ({what})" if what else ""
         raise ValueError(f"{op}: {name} must be in [{lo}, {hi}]{extra}, got {value}")
 

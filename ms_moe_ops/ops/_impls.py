@@ -25,7 +25,12 @@ def kernel(symbol):
     def build(op, attrs):
         out_shape, out_dtype = infer_fns(op, attrs)
         prim = ops.Custom(f"{kernel_library()}:{symbol}", out_shape=out_shape, out_dtype=out_dtype,
-                          func_type="aot", bprop=op.bprop(attrs) if op.bprop else None)
+                          func_type="aot", bprop=op.bprop(attrs) if op.bprop else None,
+                          reg_info=kernel_reg_info(op))
+        # Shapes come from the library's <symbol>InferShape (custom_aot/infer_shape.cc), which
+        # MindSpore also calls at run time for dimensions unknown until then; out_shape still runs
+        # (with out_dtype) while the graph is built.
+        prim.add_prim_attr("cpp_infer_shape", True)
         for key, value in attrs.items():
             prim.add_prim_attr(key, value)
         return _star(prim)
@@ -80,6 +85,18 @@ def builtin(build, socs, supports=None, grad="op"):
 def composition(build, supports=None, grad="op"):
     """MindSpore ops only, runnable on every device: build(attrs) -> f(*inputs)."""
     return Impl(COMPOSITION, lambda op, attrs: _star(build(attrs)), supports=supports, grad=grad)
+
+
+def kernel_reg_info(op):
+    """A named registration of a CPU kernel (any dtype): MindSpore needs one to infer shapes at
+    run time (without it: "The pointer[value] is null")."""
+    reg = ops.CustomRegOp(op.name)
+    for i, arg in enumerate(op.inputs):
+        reg = reg.input(i, arg, "optional" if arg in op.optional else "required")
+    for j, arg in enumerate(op.outputs):
+        reg = reg.output(j, arg, "required")
+    reg = reg.dtype_format(*[DataType.None_None] * (len(op.inputs) + len(op.outputs)))
+    return reg.target("CPU").get_op_info()
 
 
 def _star(fn):

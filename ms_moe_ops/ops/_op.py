@@ -280,14 +280,14 @@ def choose(op, attr_items, platform, signature):
 
 
 def validate(op, attrs, args):
-    """The declared checks, whatever implementation runs: required inputs, shapes when every
-    dimension is known, dtypes (a Custom primitive's own inference repeats them)."""
+    """The declared checks, whatever implementation runs: required inputs, shapes (what is known
+    of them: the infer functions pass unknown dimensions), dtypes (a Custom primitive's own
+    inference repeats them)."""
     for name, info in args.items():
         if info is None and name not in op.optional:
             raise ValueError(f"{op.name}: input '{name}' is required, got None")
     infos = list(args.values())
-    if all(i is None or -1 not in i.shape for i in infos):
-        op.infer(attrs, *[None if i is None else list(i.shape) for i in infos])
+    op.infer(attrs, *[None if i is None else list(i.shape) for i in infos])
     op.infer_dtype(attrs, *[None if i is None else i.dtype for i in infos])
 
 

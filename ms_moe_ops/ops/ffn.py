@@ -15,8 +15,8 @@ other float dtypes and everywhere else. aclnnMoeFFN itself cannot be called thro
 import mindspore as ms
 from mindspore import ops
 
-from ._checks import FLOATS, attr_error, check_dtype, check_range, check_rank, check_same_dtype, \
-    check_shape
+from ._checks import FLOATS, attr_error, check_dtype, check_range, check_same_dtype, \
+    check_shape, dims
 from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
 from ._platform import A2, A3
@@ -42,11 +42,9 @@ def _check_attrs(a):
 
 
 def _infer(a, x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
-    check_rank(_OP, "x", x, 2)
-    check_rank(_OP, "expert_tokens", tokens, 1)
-    check_rank(_OP, "weight1", w1, 3)
-    m, h = x
-    e, f = tokens[0], w1[2]
+    m, h = dims(_OP, "x", x, 2)
+    e = dims(_OP, "expert_tokens", tokens, 1)[0]
+    f = dims(_OP, "weight1", w1, 3)[2]
     check_range(_OP, "the expert count E (expert_tokens.shape[0])", e, 1, MAX_EXPERTS)
     check_shape(_OP, "weight1", w1, [e, h, f], "[E, H, F] with E experts and H = x.shape[1]")
     check_shape(_OP, "weight2", w2, [e, f, h], "[E, F, H]")

@@ -9,7 +9,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import ops
 
-from ._checks import FLOATS, check_dtype, check_range, check_rank, check_same_dtype, check_shape
+from ._checks import (FLOATS, check_dtype, check_range, check_rank, check_same_dtype, check_shape,
+                      differ, dims, known)
 from ._impls import aclnn, composition, kernel
 from ._op import Attr, OpDef
 from ._platform import A2, A3
@@ -34,11 +35,12 @@ def _check_router_attrs(a):
 
 
 def _infer_router(a, x, bias):
-    check_rank(_FWD, "x", x, 2)
-    m, n = x
+    m, n = dims(_FWD, "x", x, 2)
     check_range(_FWD, "the expert count N (x.shape[1])", n, 1, MAX_EXPERTS)
     if bias is not None:
         check_shape(_FWD, "bias", bias, [n], "one value per expert")
+    if not known(n):  # the rest needs the expert count
+        return [m, a["k"]], [m, a["k"]], [m, n]
     if n % a["group_count"]:
         raise ValueError(f"{_FWD}: the expert count N={n} must be divisible by attribute "
                          f"'group_count', got group_count={a['group_count']}")
@@ -195,12 +197,11 @@ def moe_gating_top_k(x, k, bias=None, k_group=1, group_count=1, group_select_mod
 
 def _backward_infer(op, min_experts):
     def infer(a, x_norm, grad_y, expert_idx):
-        check_rank(op, "x_norm", x_norm, 2)
-        check_rank(op, "grad_y", grad_y, 2)
+        m, n = dims(op, "x_norm", x_norm, 2)
+        grad_y = dims(op, "grad_y", grad_y, 2)
         check_rank(op, "expert_idx", expert_idx, 2)
-        m, n = x_norm
         check_range(op, "the expert count N (x_norm.shape[1])", n, min_experts, MAX_EXPERTS)
-        if grad_y[0] != m:
+        if differ(grad_y[0], m):
             raise ValueError(f"{op}: 'grad_y' must have M={m} rows like 'x_norm', got shape "
                              f"{list(grad_y)}")
         check_range(op, "K (grad_y.shape[1])", grad_y[1], 1, n, "1 <= K <= N")

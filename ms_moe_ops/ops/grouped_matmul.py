@@ -8,7 +8,7 @@ everywhere else.
 import mindspore as ms
 from mindspore import ops
 
-from ._checks import FLOATS, check_dtype, check_rank, check_same_dtype, check_shape
+from ._checks import FLOATS, check_dtype, check_same_dtype, check_shape, differ, dims
 from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
 from ._platform import A2, A3, ASCEND_950
@@ -23,22 +23,20 @@ def _check_attrs(a):
 
 
 def _infer(a, x, weight, group_list, bias):
-    check_rank(_OP, "x", x, 2)
-    check_rank(_OP, "group_list", group_list, 1)
-    m, k = x
-    g = group_list[0]
-    if g < 1:
+    m, k = dims(_OP, "x", x, 2)
+    g = dims(_OP, "group_list", group_list, 1)[0]
+    if g == 0:
         raise ValueError(f"{_OP}: 'group_list' must hold at least one group, got shape {list(group_list)}")
     if a["transpose_x"]:
         # out[g] = x[rows g]^T @ weight[rows g]: weight is the second row-grouped operand
-        check_rank(_OP, "weight", weight, 2)
-        if weight[0] != m:
+        weight = dims(_OP, "weight", weight, 2)
+        if differ(weight[0], m):
             raise ValueError(f"{_OP}: with transpose_x, 'weight' must be [M, N] with the M={m} rows "
                              f"of 'x', got shape {list(weight)}")
         if bias is not None:
             raise ValueError(f"{_OP}: 'bias' is not supported with transpose_x, got shape {list(bias)}")
         return ([g, k, weight[1]],)
-    check_rank(_OP, "weight", weight, 3)
+    weight = dims(_OP, "weight", weight, 3)
     n = weight[1] if a["transpose_weight"] else weight[2]
     expected = [g, n, k] if a["transpose_weight"] else [g, k, n]
     check_shape(_OP, "weight", weight, expected,

@@ -11,7 +11,7 @@ moe_token_unpermute (top-k <= 512); compositions of MindSpore ops everywhere els
 import mindspore as ms
 from mindspore import ops
 
-from ._checks import FLOATS, check_dtype, check_rank, check_shape
+from ._checks import FLOATS, check_dtype, check_shape, differ, dims, known, product
 from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
 from ._platform import A2, A3
@@ -37,13 +37,12 @@ def _check_permute_attrs(a):
 
 
 def _infer_permute(a, x, expert_idx):
-    check_rank(_PERMUTE, "x", x, 2)
-    check_rank(_PERMUTE, "expert_idx", expert_idx, 2)
-    t, h = x
-    if expert_idx[0] != t:
+    t, h = dims(_PERMUTE, "x", x, 2)
+    rows, k = dims(_PERMUTE, "expert_idx", expert_idx, 2)
+    if differ(rows, t):
         raise ValueError(f"{_PERMUTE}: 'expert_idx' must have T={t} rows like 'x', got shape "
                          f"{list(expert_idx)}")
-    n = t * expert_idx[1]
+    n = product(t, k)
     if n > _INT32_ROWS:
         raise ValueError(f"{_PERMUTE}: T*K must fit in int32 (sorted_index), got {n}")
     return [n, h], [n], [a["num_experts"]]
@@ -158,24 +157,25 @@ def _check_top_k(op):
 
 def _unpermute_shapes(op, a, permuted, sorted_index, probs):
     """(T, K, H) after validating the unpermute inputs."""
-    check_rank(op, "permuted", permuted, 2)
-    n, h = permuted
+    if a["with_probs"] != (probs is not None):
+        raise ValueError(f"{op}: attribute 'with_probs' must say whether 'probs' is given, got "
+                         f"with_probs={a['with_probs']} and probs={'None' if probs is None else 'a tensor'}")
+    n, h = dims(op, "permuted", permuted, 2)
     check_shape(op, "sorted_index", sorted_index, [n], "one entry per permuted row")
     if probs is not None:
-        check_rank(op, "probs", probs, 2)
-        t, k = probs
-        if t * k != n:
+        t, k = dims(op, "probs", probs, 2)
+        if differ(product(t, k), n):
             raise ValueError(f"{op}: 'probs' [T, K] must have T*K = {n} (the permuted rows), got "
                              f"shape {list(probs)}")
-        if a["top_k"] not in (0, k):
+        if known(k) and a["top_k"] not in (0, k):
             raise ValueError(f"{op}: attribute 'top_k' must be 0 or probs.shape[1]={k}, got "
                              f"{a['top_k']}")
         return t, k, h
     k = a["top_k"] or 1
-    if n % k:
+    if known(n) and n % k:
         raise ValueError(f"{op}: the permuted rows ({n}) must be a multiple of attribute "
                          f"'top_k', got top_k={k}")
-    return n // k, k, h
+    return (n // k if known(n) else -1), k, h
 
 
 def _unpermute_dtypes(op, permuted, sorted_index, probs):
@@ -197,7 +197,8 @@ def _infer_unpermute_dtype(a, permuted, sorted_index, probs):
 
 def _unpermute_bprop(a):
     def bprop(permuted, sorted_index, probs, out, dout):
-        d_permuted, d_probs = UNPERMUTE_BACKWARD(permuted, sorted_index, probs, dout, top_k=a["top_k"])
+        d_permuted, d_probs = UNPERMUTE_BACKWARD(permuted, sorted_index, probs, dout, top_k=a["top_k"],
+                                                 with_probs=a["with_probs"])
         return d_permuted, ops.zeros_like(sorted_index), (None if probs is None else d_probs)
 
     return bprop
@@ -241,7 +242,7 @@ UNPERMUTE = OpDef(
     inputs=("permuted", "sorted_index", "probs"),
     optional=("probs",),
     outputs=("out",),
-    attrs=(Attr("top_k", int, 0),),
+    attrs=(Attr("top_k", int, 0), Attr("with_probs", bool, False)),
     check_attrs=_check_top_k(_UNPERMUTE),
     infer=_infer_unpermute,
     infer_dtype=_infer_unpermute_dtype,
@@ -270,7 +271,7 @@ def moe_token_unpermute(permuted, sorted_index, probs=None, top_k=0):
         [T, H] dtype of permuted, summed in float32. Differentiable with respect to permuted and
         probs.
     """
-    return UNPERMUTE(permuted, sorted_index, probs, top_k=top_k)
+    return UNPERMUTE(permuted, sorted_index, probs, top_k=top_k, with_probs=probs is not None)
 
 
 def _infer_unpermute_backward(a, permuted, sorted_index, probs, grad_out):
@@ -311,7 +312,7 @@ UNPERMUTE_BACKWARD = OpDef(
     inputs=("permuted", "sorted_index", "probs", "grad_out"),
     optional=("probs",),
     outputs=("grad_permuted", "grad_probs"),
-    attrs=(Attr("top_k", int, 0),),
+    attrs=(Attr("top_k", int, 0), Attr("with_probs", bool, False)),
     check_attrs=_check_top_k(_UNPERMUTE_BWD),
     infer=_infer_unpermute_backward,
     infer_dtype=_infer_unpermute_backward_dtype,
@@ -323,4 +324,5 @@ def moe_token_unpermute_backward(permuted, sorted_index, probs, grad_out, top_k=
     """Gradients of moe_token_unpermute: (grad_permuted [T*K, H] dtype of permuted, grad_probs
     [T, K] dtype of probs (float32 zeros without probs)). grad_permuted[sorted_index[t*K+k]] =
     probs[t,k] * grad_out[t]; grad_probs[t,k] = <permuted[sorted_index[t*K+k]], grad_out[t]>."""
-    return UNPERMUTE_BACKWARD(permuted, sorted_index, probs, grad_out, top_k=top_k)
+    return UNPERMUTE_BACKWARD(permuted, sorted_index, probs, grad_out, top_k=top_k,
+                              with_probs=probs is not None)

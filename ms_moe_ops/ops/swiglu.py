@@ -12,7 +12,8 @@ import math
 import mindspore as ms
 from mindspore import ops
 
-from ._checks import FLOATS, check_dtype, check_rank, check_same_dtype, check_shape
+from ._checks import (FLOATS, UNKNOWN_RANK, check_dtype, check_rank, check_same_dtype, check_shape,
+                      known, unknown_rank)
 from ._impls import aclnn, composition, kernel
 from ._op import Attr, OpDef
 from ._platform import ASCEND_950
@@ -32,16 +33,25 @@ def _check_clamp(op):
 
 
 def _check_x(op, x):
+    """(leading dimensions, H) of x [.., 2H]; the leading dimensions are None when the rank is
+    unknown, H is -1 when unknown."""
     check_rank(op, "x", x, (2, 3))
-    if x[-1] % 2 or x[-1] == 0:
+    if unknown_rank(x):
+        return None, -1
+    if known(x[-1]) and (x[-1] % 2 or x[-1] == 0):
         raise ValueError(f"{op}: the last dimension of 'x' must be even and positive (x0 | x1 "
                          f"halves), got shape {list(x)}")
-    return list(x[:-1]), x[-1] // 2
+    return list(x[:-1]), x[-1] // 2 if known(x[-1]) else -1
+
+
+def _rows(lead, last):
+    """lead + [last], or the unknown rank's [-2] when lead is unknown."""
+    return [UNKNOWN_RANK] if lead is None else lead + [last]
 
 
 def _check_weight_and_groups(op, lead, weight, group_index):
     if weight is not None:
-        check_shape(op, "weight", weight, lead + [1], "one value per token")
+        check_shape(op, "weight", weight, _rows(lead, 1), "one value per token")
     if group_index is not None:
         check_rank(op, "group_index", group_index, 1)
 
@@ -58,7 +68,7 @@ def _check_weight_dtypes(op, weight, group_index):
 def _infer_forward(a, x, weight, group_index):
     lead, h = _check_x(_FWD, x)
     _check_weight_and_groups(_FWD, lead, weight, group_index)
-    return lead + [h], lead + [h]
+    return _rows(lead, h), _rows(lead, h)
 
 
 def _infer_forward_dtype(a, x, weight, group_index):
@@ -171,14 +181,14 @@ def swiglu_group(x, weight=None, group_index=None, clamp_limit=0.0):
 
 def _infer_backward(a, grad_y, x, weight, y_origin, group_index):
     lead, h = _check_x(_BWD, x)
-    check_shape(_BWD, "grad_y", grad_y, lead + [h], "x's shape with the last dim halved")
+    check_shape(_BWD, "grad_y", grad_y, _rows(lead, h), "x's shape with the last dim halved")
     if weight is not None and y_origin is None:
         raise ValueError(f"{_BWD}: 'weight' needs 'y_origin' (the un-weighted forward output) to "
                          f"compute the weight's gradient, got y_origin=None")
     if y_origin is not None:
-        check_shape(_BWD, "y_origin", y_origin, lead + [h], "the shape of grad_y")
+        check_shape(_BWD, "y_origin", y_origin, _rows(lead, h), "the shape of grad_y")
     _check_weight_and_groups(_BWD, lead, weight, group_index)
-    return list(x), lead + [1]
+    return list(x), _rows(lead, 1)
 
 
 def _infer_backward_dtype(a, grad_y, x, weight, y_origin, group_index):
