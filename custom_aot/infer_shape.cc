@@ -21,7 +21,9 @@ using Shapes = std::vector<Shape>;
 constexpr int64_t kAny = -1;       // unknown dimension
 constexpr int64_t kAnyRank = -2;   // unknown rank: the shape is [-2]
 
-Shape shape_of(int *ndims, int64_t **shapes, int i) { return Shape(shapes[i], shapes[i] + ndims[i]); }
+Shape shape_of(int *ndims, int64_t **shapes, int i) {
+  return Shape(shapes[i], shapes[i] + ndims[i]);
+}
 
 bool any_rank(const Shape &s) { return s.size() == 1 && s[0] == kAnyRank; }
 
@@ -131,7 +133,8 @@ MOE_EXPORT Shape GroupedMatmulInferShape(int *ndims, int64_t **shapes, void *ext
   return grouped_matmul(ndims, shapes, attrs(extra));
 }
 
-// moe_token_permute: x [T, H], expert_idx [T, K] -> permuted [T*K, H], sorted_index [T*K], counts [E]
+// moe_token_permute: x [T, H], expert_idx [T, K]
+//   -> permuted [T*K, H], sorted_index [T*K], counts [E]
 MOE_EXPORT Shapes MoeTokenPermuteInferShape(int *ndims, int64_t **shapes, void *extra) {
   const Shape x = shape_of(ndims, shapes, 0), idx = shape_of(ndims, shapes, 1);
   const int64_t t = dim(x, 0, 2);
@@ -142,7 +145,8 @@ MOE_EXPORT Shapes MoeTokenPermuteInferShape(int *ndims, int64_t **shapes, void *
 // moe_token_unpermute: permuted [T*K, H], sorted_index [T*K], probs [T, K] or None -> [T, H]
 MOE_EXPORT Shape MoeTokenUnpermuteInferShape(int *ndims, int64_t **shapes, void *extra) {
   const Shape permuted = shape_of(ndims, shapes, 0);
-  const int64_t probs_rows = attrs(extra)->GetAttrBool("with_probs") ? dim(shape_of(ndims, shapes, 2), 0, 2) : kAny;
+  const bool with_probs = attrs(extra)->GetAttrBool("with_probs");
+  const int64_t probs_rows = with_probs ? dim(shape_of(ndims, shapes, 2), 0, 2) : kAny;
   const int64_t t = tokens(probs_rows, dim(permuted, 0, 2), slots(ndims, shapes, attrs(extra)));
   return {t, dim(permuted, 1, 2)};
 }

@@ -138,8 +138,9 @@ def test_output_dtype_as_dtype_object_in_graph_mode(rng):
     q = quantize_moe_ffn(MoeFFN(2, 8, 5), rng.standard_normal((4, 8)).astype(np.float32),
                          np.array([3, 1]), output_dtype="float32")
     x = Tensor(np.ones((4, 8), np.int8))
-    fn = lambda x, t: moe_ffn(x, t, q.weight1, q.weight2, None, None, q.scale, q.offset,  # noqa: E731
-                              q.deq_scale1, q.deq_scale2, output_dtype=ms.float32)
+    fn = lambda x, t: moe_ffn(x, t, q.weight1, q.weight2, None, None,  # noqa: E731
+                              q.scale, q.offset, q.deq_scale1, q.deq_scale2,
+                              output_dtype=ms.float32)
     y = run(fn, x, tokens, mode="graph")
     assert y.dtype == ms.float32
     np.testing.assert_array_equal(numpy(y), numpy(fn(x, tokens)))
@@ -147,12 +148,14 @@ def test_output_dtype_as_dtype_object_in_graph_mode(rng):
 
 @pytest.mark.parametrize("call,error,words", [
     (lambda: MoELayer(8.0, 16, 4, 2), TypeError, r"hidden_size must be an int, got float \(8.0\)"),
-    (lambda: MoELayer(np.float64(8), 16, 4, 2), TypeError, "hidden_size must be an int, got float64"),
+    (lambda: MoELayer(np.float64(8), 16, 4, 2), TypeError,
+     "hidden_size must be an int, got float64"),
     (lambda: MoELayer(8, 16, 4, True), TypeError, r"top_k must be an int, got bool \(True\)"),
     (lambda: MoELayer(8, 16, 4, 2, n_shared_experts=np.int64(-1)), ValueError,
      "n_shared_experts must be an int >= 0, got -1"),
     (lambda: GatingTopK(8, np.int32(0), 1), ValueError, "num_experts must be an int >= 1, got 0"),
-    (lambda: GatingTopK(8, 4, 2, n_group="2"), TypeError, r"n_group must be an int, got str \('2'\)"),
+    (lambda: GatingTopK(8, 4, 2, n_group="2"), TypeError,
+     r"n_group must be an int, got str \('2'\)"),
     (lambda: MoeFFN(4, 8, "8"), TypeError, "ffn_hidden_size must be an int, got str"),
     (lambda: moe_gating_top_k(tensor(np.zeros((2, 8), np.float32)), np.float32(2)), TypeError,
      r"attribute 'k' must be int, got float32 \(2.0\)"),
@@ -162,10 +165,12 @@ def test_output_dtype_as_dtype_object_in_graph_mode(rng):
                               output_dtype=ms.int32), ValueError,
      "output_dtype must be one of float16, bfloat16, float32 .*, got mindspore.int32"),
     (lambda: quantize_moe_ffn(MoeFFN(2, 8, 5), np.zeros((4, 8), np.float32), np.array([3, 1]),
-                              output_dtype=16), TypeError, r"output_dtype must be .*, got int \(16\)"),
+                              output_dtype=16), TypeError,
+     r"output_dtype must be .*, got int \(16\)"),
     (lambda: moe_ffn(Tensor(np.ones((4, 8), np.int8)), Tensor(np.array([4], np.int64)),
                      Tensor(np.ones((1, 8, 5), np.int8)), Tensor(np.ones((1, 5, 8), np.int8)),
-                     output_dtype=ms.int8), ValueError, "attribute 'output_dtype' must be None or one of"),
+                     output_dtype=ms.int8), ValueError,
+     "attribute 'output_dtype' must be None or one of"),
 ])
 def test_bad_arguments_say_what_was_wrong(call, error, words):
     with pytest.raises(error, match=words):

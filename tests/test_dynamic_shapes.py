@@ -56,7 +56,8 @@ def _placeholder(array, dynamic, unknown_rank):
     dtype = tensor(array).dtype
     if unknown_rank:
         return Tensor(shape=None, dtype=dtype)
-    return Tensor(shape=[None if i in dynamic else d for i, d in enumerate(array.shape)], dtype=dtype)
+    return Tensor(shape=[None if i in dynamic else d for i, d in enumerate(array.shape)],
+                  dtype=dtype)
 
 
 def _check_one_compilation(cell, make, dynamic, unknown_rank, expected_of):
@@ -84,28 +85,34 @@ def _static(fn, arrays):
 
 # -- operators ------------------------------------------------------------------------------------
 
+def _normal(rng, *shape, scale=1.0):
+    return rng.normal(0, scale, shape).astype(np.float32)
+
+
+def _uniform(rng, *shape):
+    return rng.uniform(0.1, 0.9, shape).astype(np.float32)
+
+
 def _ops(rng):
     """name -> (function, inputs of T tokens, dynamic axes of each input, float input positions
     that have gradients)."""
     def gating(t):
-        return (rng.normal(0, 1, (t, E)).astype(np.float32),)
+        return (_normal(rng, t, E),)
 
     def backward(t):
-        x_norm = rng.uniform(0.1, 0.9, (t, E)).astype(np.float32)
-        return x_norm, rng.normal(0, 1, (t, K)).astype(np.float32), np.argsort(-x_norm, 1)[:, :K].astype(np.int32)
+        x_norm = _uniform(rng, t, E)
+        return x_norm, _normal(rng, t, K), np.argsort(-x_norm, 1)[:, :K].astype(np.int32)
 
     def swiglu(t):
-        return rng.normal(0, 1, (t, 2 * H)).astype(np.float32), rng.uniform(0, 1, (t, 1)).astype(np.float32)
+        return _normal(rng, t, 2 * H), _uniform(rng, t, 1)
 
     def swiglu_grad(t):
-        x = rng.normal(0, 1, (t, 2 * H)).astype(np.float32)
-        return rng.normal(0, 1, (t, H)).astype(np.float32), x, rng.uniform(0, 1, (t, 1)).astype(np.float32), \
-            rng.normal(0, 1, (t, H)).astype(np.float32)
+        return _normal(rng, t, H), _normal(rng, t, 2 * H), _uniform(rng, t, 1), _normal(rng, t, H)
 
     def experts(t):
         counts = np.bincount(rng.integers(0, E, t), minlength=E).astype(np.int64)
-        return (rng.normal(0, 1, (t, H)).astype(np.float32), counts,
-                rng.normal(0, 0.3, (E, H, 6)).astype(np.float32), rng.normal(0, 0.3, (E, 6, H)).astype(np.float32))
+        return (_normal(rng, t, H), counts, _normal(rng, E, H, 6, scale=0.3),
+                _normal(rng, E, 6, H, scale=0.3))
 
     def grouped(t):
         x, counts, w1, _ = experts(t)
@@ -113,17 +120,16 @@ def _ops(rng):
 
     def grouped_t(t):
         x, counts, _, _ = experts(t)
-        return x, rng.normal(0, 1, (t, 5)).astype(np.float32), counts
+        return x, _normal(rng, t, 5), counts
 
     def permute(t):
-        return rng.normal(0, 1, (t, H)).astype(np.float32), rng.integers(0, E, (t, K)).astype(np.int32)
+        return _normal(rng, t, H), rng.integers(0, E, (t, K)).astype(np.int32)
 
     def unpermute(t):
-        return (rng.normal(0, 1, (t * K, H)).astype(np.float32), rng.permutation(t * K).astype(np.int32),
-                rng.uniform(0, 1, (t, K)).astype(np.float32))
+        return _normal(rng, t * K, H), rng.permutation(t * K).astype(np.int32), _uniform(rng, t, K)
 
     def unpermute_grad(t):
-        return unpermute(t) + (rng.normal(0, 1, (t, H)).astype(np.float32),)
+        return unpermute(t) + (_normal(rng, t, H),)
 
     def unpermuted_rows(t):
         return unpermute(t)[:2]
@@ -139,7 +145,8 @@ def _ops(rng):
         "moe_token_permute": (_permute, permute, [{0}, {0}], (0,)),
         "moe_token_unpermute": (moe_token_unpermute, unpermute, [{0}, {0}, {0}], (0, 2)),
         "moe_token_unpermute_top_k": (_unpermute_top_k, unpermuted_rows, [{0}, {0}], (0,)),
-        "moe_token_unpermute_backward": (moe_token_unpermute_backward, unpermute_grad, [{0}] * 4, None),
+        "moe_token_unpermute_backward": (moe_token_unpermute_backward, unpermute_grad, [{0}] * 4,
+                                         None),
     }
 
 
@@ -174,7 +181,8 @@ def test_operator_forward(name, unknown_rank, rng):
     _check_one_compilation(_Fn(fn), make, dynamic, unknown_rank, lambda arrays: _static(fn, arrays))
 
 
-@pytest.mark.parametrize("name", [n for n, case in _ops(np.random.default_rng(0)).items() if case[3]])
+@pytest.mark.parametrize("name", [n for n, case in _ops(np.random.default_rng(0)).items()
+                                  if case[3]])
 def test_operator_gradients(name, rng):
     fn, make, dynamic, positions = _ops(rng)[name]
     cot_shapes = {}
@@ -217,17 +225,18 @@ def test_cell_forward(name, layout, rng):
         make, dynamic = (lambda t: (rng.normal(0, 1, (t, H)).astype(np.float32),)), [{0}]
     _check_one_compilation(cell, make, dynamic, layout == "unknown-rank",
                            lambda arrays: _static(static, arrays))
-    np.testing.assert_array_equal(cell.router.load() if hasattr(cell, "router") else cell.load(),
-                                  static.router.load() if hasattr(static, "router") else static.load())
+    router, static_router = (getattr(c, "router", c) for c in (cell, static))
+    np.testing.assert_array_equal(router.load(), static_router.load())
 
 
 def test_moe_ffn_cell(rng):
     def make(t):
         counts = np.bincount(rng.integers(0, E, t), minlength=E).astype(np.int64)
-        return rng.normal(0, 1, (t, H)).astype(np.float32), counts, rng.uniform(0, 1, t).astype(np.float32)
+        return _normal(rng, t, H), counts, _uniform(rng, t)
 
     cell = _weighted(MoeFFN(E, H, 6, activation="swiglu", has_bias=True))
-    _check_one_compilation(cell, make, [{0}, set(), {0}], False, lambda arrays: _static(cell, arrays))
+    _check_one_compilation(cell, make, [{0}, set(), {0}], False,
+                           lambda arrays: _static(cell, arrays))
 
 
 @pytest.mark.parametrize("layout", ["T,H", "B,S,H"])
@@ -235,16 +244,18 @@ def test_training_one_compilation(layout, rng):
     """TrainOneStepCell over token counts that change every step (zero tokens too): one
     compilation, and the same parameters as the steps run on static shapes in PyNative mode."""
     shape = (lambda t: (t, H)) if layout == "T,H" else (lambda t: (2, t, H))
-    batches = [(rng.normal(0, 1, shape(t)).astype(np.float32), rng.normal(0, 0.1, shape(t)).astype(np.float32))
+    batches = [(_normal(rng, *shape(t)), _normal(rng, *shape(t), scale=0.1))
                for t in TOKENS + (0, 4)]
 
     def trained(mode):
         ms.set_context(mode=mode)
         layer = _weighted(CELLS["MoELayer"]())
-        step = nn.TrainOneStepCell(nn.WithLossCell(layer, nn.MSELoss()), nn.SGD(layer.trainable_params(), 0.1))
+        step = nn.TrainOneStepCell(nn.WithLossCell(layer, nn.MSELoss()),
+                                   nn.SGD(layer.trainable_params(), 0.1))
         if mode == ms.GRAPH_MODE:
             dims = [None] * (len(shape(1)) - 1) + [H]
-            step.set_inputs(Tensor(shape=dims, dtype=ms.float32), Tensor(shape=dims, dtype=ms.float32))
+            placeholder = Tensor(shape=dims, dtype=ms.float32)
+            step.set_inputs(placeholder, placeholder)
         for x, y in batches:
             step(tensor(x), tensor(y))
         return step, [p.asnumpy() for p in layer.trainable_params()], layer.router.load()

@@ -158,8 +158,9 @@ def _check_top_k(op):
 def _unpermute_shapes(op, a, permuted, sorted_index, probs):
     """(T, K, H) after validating the unpermute inputs."""
     if a["with_probs"] != (probs is not None):
+        given = "None" if probs is None else "a tensor"
         raise ValueError(f"{op}: attribute 'with_probs' must say whether 'probs' is given, got "
-                         f"with_probs={a['with_probs']} and probs={'None' if probs is None else 'a tensor'}")
+                         f"with_probs={a['with_probs']} and probs={given}")
     n, h = dims(op, "permuted", permuted, 2)
     check_shape(op, "sorted_index", sorted_index, [n], "one entry per permuted row")
     if probs is not None:
@@ -197,8 +198,8 @@ def _infer_unpermute_dtype(a, permuted, sorted_index, probs):
 
 def _unpermute_bprop(a):
     def bprop(permuted, sorted_index, probs, out, dout):
-        d_permuted, d_probs = UNPERMUTE_BACKWARD(permuted, sorted_index, probs, dout, top_k=a["top_k"],
-                                                 with_probs=a["with_probs"])
+        d_permuted, d_probs = UNPERMUTE_BACKWARD(permuted, sorted_index, probs, dout,
+                                                 top_k=a["top_k"], with_probs=a["with_probs"])
         return d_permuted, ops.zeros_like(sorted_index), (None if probs is None else d_probs)
 
     return bprop
