@@ -109,8 +109,9 @@ def test_router_stays_float32(level, amp_dtype, mode, rng):
     np.testing.assert_array_equal(router.load(), np.bincount(idx.ravel(), minlength=8) * 2)
 
 
-@pytest.mark.parametrize("amp_dtype", list(AMP_DTYPES))
-@pytest.mark.parametrize("level", ["O1", "O2", "to_float"])  # O3 lowers as O2 does (to_float)
+# O3 lowers as O2 does (to_float on the net); float16 and bfloat16 take the same casts
+@pytest.mark.parametrize("level,amp_dtype", [("O1", "bfloat16"), ("O2", "float16"),
+                                             ("O2", "bfloat16"), ("to_float", "bfloat16")])
 def test_moe_net_forward_and_gradients(level, amp_dtype, mode, rng):
     dtype = AMP_DTYPES[amp_dtype]
     lowered = level != "O1"
@@ -157,7 +158,7 @@ def test_training_steps(amp_dtype, mode, rng):
     _set_mode(mode)
     step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()),
                                nn.Adam(net.trainable_params(), 0.01))
-    losses = [float(numpy(step(x, target))) for _ in range(6)]
+    losses = [float(numpy(step(x, target))) for _ in range(4)]
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
 
 

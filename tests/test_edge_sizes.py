@@ -118,8 +118,9 @@ class _Sum(nn.Cell):
         return out.astype(ms.float32).sum()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", list(_empty_cases()))
+# bfloat16 takes the most casts and reshapes; float32 the full layer too
+@pytest.mark.parametrize("name,dtype", [(name, "bfloat16") for name in _empty_cases()]
+                         + [("MoELayer", "float32")])
 def test_zero_tokens(name, dtype, mode):
     make, args_of, shapes = _empty_cases()[name]
     cell = make()
