@@ -243,16 +243,19 @@ struct Args {
   }
 };
 
-// Prints one line "ms_moe_ops.<op>: <message>" to stderr and returns 1 (the kernel's failure
-// code, which MindSpore turns into a RuntimeError).
+// Prints one line "ms_moe_ops.<op>: <message>" to stderr, records it as the call's error and
+// returns 1 (the kernel's failure code: the exported entry point then throws the message, which
+// MindSpore raises as a RuntimeError).
 inline int fail(const char *op, const char *fmt, ...) {
-  char buf[512];
+  char buf[512], line[640];
   va_list ap;
   va_start(ap, fmt);
   std::vsnprintf(buf, sizeof(buf), fmt, ap);
   va_end(ap);
-  std::fprintf(stderr, "ms_moe_ops.%s: %s\n", op, buf);
+  std::snprintf(line, sizeof(line), "ms_moe_ops.%s: %s", op, buf);
+  std::fprintf(stderr, "%s\n", line);
   std::fflush(stderr);
+  dispatch::record_error(line);
   return 1;
 }
 

@@ -42,22 +42,42 @@ void bias_activate(float *h, int64_t rows, int64_t f, const B *bias, Activation 
   }
 }
 
+// The float path's arguments (SPEC §4): x [M, H], expert_tokens int64 [E] (1 <= E <= 256),
+// weight1 [E, H, F], bias1 [E, F] or none, weight2 [E, F, H], bias2 [E, H] or none, all float
+// tensors of x's dtype, no quantisation argument; y [M, H] of x's dtype; every size within the
+// BLAS's int.
+int check_float_path(const Args &args, Extra *extra, Activation *act) {
+  if (int rc = check_count(kOp, args, 11)) return rc;
+  const Arg x = args[0], tokens = args[1], w1 = args[2];
+  if (int rc = check_arg(kOp, "x", x, 2, {DType::kF32, DType::kF16, DType::kBF16})) return rc;
+  if (int rc = check_arg(kOp, "expert_tokens", tokens, 1, {DType::kI64})) return rc;
+  if (int rc = check_arg(kOp, "weight1", w1, 3, {x.dtype})) return rc;
+  const int64_t m = x.dim(0), h = x.dim(1), e = tokens.dim(0), f = w1.dim(2);
+  if (e < 1 || e > kMaxFfnExperts)
+    return fail(kOp, "the expert count E (expert_tokens.shape[0]) must be in [1, %lld], got %lld",
+                (long long)kMaxFfnExperts, (long long)e);
+  if (int rc = check_exact(kOp, "weight1", w1, x.dtype, {e, h, f})) return rc;
+  if (int rc = check_optional(kOp, "bias1", args[3], x.dtype, {e, f})) return rc;
+  if (int rc = check_exact(kOp, "weight2", args[4], x.dtype, {e, f, h})) return rc;
+  if (int rc = check_optional(kOp, "bias2", args[5], x.dtype, {e, h})) return rc;
+  const char *const quant[] = {"scale", "offset", "deq_scale1", "deq_scale2"};
+  for (int i = 0; i < 4; ++i)
+    if (int rc = check_absent(kOp, quant[i], args[6 + i], "a quantisation argument of the int8 path"))
+      return rc;
+  if (int rc = check_exact(kOp, "y", args[10], x.dtype, {m, h})) return rc;
+  if (!blas_sizes_ok({m, h, f})) return fail(kOp, "a dimension exceeds the BLAS limit of %d", INT_MAX);
+  return check_activation(kOp, extra, act);
+}
+
 template <typename T>
 int moe_ffn_float(const Args &args, Extra *extra) {
   const Arg x = args[0], tokens = args[1], w1 = args[2], b1 = args[3], w2 = args[4],
             b2 = args[5], y = args[10];
-  const Activation act = parse_activation(extra->GetAttrStr("activation"));
-  if (act == Activation::kUnknown) return fail(kOp, "unknown activation");
-  const bool cumulative = extra->GetAttrBool("tokens_index_flag");
+  Activation act;
+  if (int rc = check_float_path(args, extra, &act)) return rc;
   const int64_t m = x.dim(0), h = x.dim(1), e = w1.dim(0), f = w1.dim(2);
-  // validated when the graph was built; checked again so no input can lead out of bounds
-  if (tokens.numel() != e || w1.dim(1) != h || w2.numel() != e * f * h || y.numel() != m * h ||
-      (b1.present() && b1.numel() != e * f) || (b2.present() && b2.numel() != e * h))
-    return fail(kOp, "inconsistent shapes (M=%lld, H=%lld, E=%lld, F=%lld)", (long long)m,
-                (long long)h, (long long)e, (long long)f);
-  if (!blas_sizes_ok({m, h, f})) return fail(kOp, "a dimension exceeds the BLAS limit");
   std::vector<int64_t> off;
-  if (int rc = expert_offsets(kOp, tokens, cumulative, m, off)) return rc;
+  if (int rc = expert_offsets(kOp, tokens, extra, m, off)) return rc;
 
   const T *xs = x.as<T>(), *w1s = w1.as<T>(), *w2s = w2.as<T>();
   const T *b1s = b1.present() ? b1.as<T>() : nullptr, *b2s = b2.present() ? b2.as<T>() : nullptr;
@@ -103,11 +123,16 @@ void act_grad_loop(const T *hs, const T *gas, T *ghs, T *as, int64_t n, Fn fn) {
 
 template <typename T>
 int activation_grad(const Args &args, Extra *extra) {
+  const char *op = "moe_ffn_activation_grad";
+  if (int rc = check_count(op, args, 4)) return rc;
   const Arg hv = args[0], ga = args[1], gh = args[2], av = args[3];
-  const Activation act = parse_activation(extra->GetAttrStr("activation"));
+  if (int rc = check_arg(op, "h", hv, -1, {DType::kF32, DType::kF16, DType::kBF16})) return rc;
+  if (int rc = check_like(op, "grad_a", ga, hv)) return rc;
+  if (int rc = check_like(op, "grad_h", gh, hv)) return rc;
+  if (int rc = check_like(op, "a", av, hv)) return rc;
+  Activation act;
+  if (int rc = check_activation(op, extra, &act)) return rc;
   const int64_t n = hv.numel();
-  if (ga.numel() != n || gh.numel() != n || av.numel() != n)
-    return fail("moe_ffn_activation_grad", "inconsistent shapes");
   const T *hs = hv.as<T>(), *gas = ga.as<T>();
   T *ghs = gh.as<T>(), *as = av.as<T>();
   // a = v s(u v) style activations: a' = s + v s (1 - s) u'
@@ -155,7 +180,7 @@ MOE_KERNEL(MoeFFN)(int nparam, void **params, int *ndims, int64_t **shapes, cons
                       void *stream, void *extra_ptr) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   auto *extra = static_cast<Extra *>(extra_ptr);
-  if (args[0].dtype == DType::kI8) return moe_ffn_int8(args, extra);
+  if (args.n > 0 && args.dtypes && args[0].dtype == DType::kI8) return moe_ffn_int8(args, extra);
   return dispatch_float(kOp, args[0].dtype, [&](auto tag) {
     return moe_ffn_float<decltype(tag)>(args, extra);
   });

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "checks.h"
 #include "common.h"
 
 namespace moe {
@@ -31,12 +32,13 @@ inline float activate(Activation act, float x) {
   }
 }
 
-// Row offsets of each group from a counts tensor `name` (int64 [G]): counts (each >= 0, sum <= m)
-// or, with cumulative, inclusive ends (non-decreasing, last <= m). offsets gets G + 1 entries;
-// rows from offsets[G] to m belong to no group (a padded batch: the caller zeroes them with
-// zero_tail_rows). Returns non-zero (after one line on stderr) when the counts do not fit m rows.
+// Row offsets of each group from a counts tensor `name` (int64 [G]): counts (each >= 0) or, with
+// cumulative, inclusive ends (non-decreasing). The groups cover exactly m rows, or with padded at
+// most m: rows from offsets[G] to m then belong to no group (a padded batch: the caller zeroes
+// them with zero_tail_rows). offsets gets G + 1 entries. Returns non-zero (after one line on
+// stderr) when the counts do not fit.
 inline int group_offsets(const char *op, const char *name, const Arg &tokens, bool cumulative,
-                         int64_t m, std::vector<int64_t> &offsets) {
+                         bool padded, int64_t m, std::vector<int64_t> &offsets) {
   const int64_t e = tokens.numel();
   const int64_t *t = tokens.as<int64_t>();
   offsets.assign(e + 1, 0);
@@ -51,7 +53,17 @@ inline int group_offsets(const char *op, const char *name, const Arg &tokens, bo
                              : "counts must be >= 0 and add up to at most M");
     offsets[i + 1] = cumulative ? t[i] : offsets[i] + t[i];
   }
+  if (!padded && offsets[e] != m)
+    return fail(op, "%s cover %lld of the %lld rows of x; they must cover all of them (%s), or "
+                "the call must allow a padded batch", name, (long long)offsets[e], (long long)m,
+                cumulative ? "last cumulative end == M" : "counts add up to M");
   return 0;
+}
+
+// The `padded` attribute (rows past the last group allowed), or `otherwise` for a primitive built
+// without it.
+inline bool padded_attr(Extra *extra, bool otherwise) {
+  return extra->HasAttr("padded") ? extra->GetAttrBool("padded") : otherwise;
 }
 
 // Zeroes rows [from, m) of a row-major [m, n] output: the rows past the last group.
@@ -60,10 +72,22 @@ void zero_tail_rows(T *out, int64_t from, int64_t m, int64_t n) {
   if (from < m) std::memset(static_cast<void *>(out + from * n), 0, sizeof(T) * (m - from) * n);
 }
 
-// The same for MoeFFN's expert_tokens.
-inline int expert_offsets(const char *op, const Arg &tokens, bool cumulative, int64_t m,
+// The same for MoeFFN's expert_tokens: they cover every row unless the call allows a padded
+// batch (SPEC §4).
+inline int expert_offsets(const char *op, const Arg &tokens, Extra *extra, int64_t m,
                           std::vector<int64_t> &offsets) {
-  return group_offsets(op, "expert_tokens", tokens, cumulative, m, offsets);
+  return group_offsets(op, "expert_tokens", tokens, extra->GetAttrBool("tokens_index_flag"),
+                       padded_attr(extra, false), m, offsets);
+}
+
+constexpr int64_t kMaxFfnExperts = 256;
+
+// The activation attribute, known, or a failure.
+inline int check_activation(const char *op, Extra *extra, Activation *act) {
+  *act = parse_activation(extra->GetAttrStr("activation"));
+  return *act == Activation::kUnknown ? fail(op, "unknown activation '%s'",
+                                             extra->GetAttrStr("activation").c_str())
+                                      : 0;
 }
 
 // The int8 path of MoeFFN (ffn_int8.cc); same arguments as the MoeFFN entry point.

@@ -310,20 +310,28 @@ struct Int8Args {
 };
 
 int check(const Int8Args &a) {
-  auto is_int = [](const Arg &t, DType d) { return t.present() && t.dtype == d; };
+  auto is_int = [](const Arg &t, DType d) { return given(t) && t.dtype == d; };
   auto is_deq = [](const Arg &t) {
-    return t.present() && (t.dtype == DType::kU64 || t.dtype == DType::kF32);
+    return given(t) && (t.dtype == DType::kU64 || t.dtype == DType::kF32);
   };
   if (!is_int(a.x, DType::kI8) || !is_int(a.w1, DType::kI8) || !is_int(a.w2, DType::kI8) ||
       !is_int(a.tokens, DType::kI64) || !is_int(a.scale, DType::kF32) || !is_deq(a.dq1) ||
-      !is_deq(a.dq2) || (a.b1.present() && a.b1.dtype != DType::kI32) ||
-      (a.b2.present() && a.b2.dtype != DType::kI32) ||
-      (a.offset.present() && a.offset.dtype != DType::kF32))
+      !is_deq(a.dq2) || (given(a.b1) && a.b1.dtype != DType::kI32) ||
+      (given(a.b2) && a.b2.dtype != DType::kI32) ||
+      (given(a.offset) && a.offset.dtype != DType::kF32) || !is_float(a.y.dtype))
     return fail(kOp, "int8 path: x, weight1, weight2 int8, bias1/bias2 int32, expert_tokens "
-                     "int64, scale/offset float32, deq_scale1/2 uint64 or float32 are required");
+                     "int64, scale/offset float32, deq_scale1/2 uint64 or float32 and a float y "
+                     "are required");
+  const Arg all[] = {a.x, a.tokens, a.w1, a.b1, a.w2, a.b2, a.scale, a.offset, a.dq1, a.dq2, a.y};
+  for (const Arg &t : all)
+    if (given(t))
+      if (int rc = check_sound(kOp, "an argument", t)) return rc;
   if (a.x.ndim != 2 || a.w1.ndim != 3 || a.w2.ndim != 3 || a.y.ndim != 2 || a.tokens.ndim != 1)
     return fail(kOp, "int8 path: x [M, H], weight1 [E, H, F], weight2 [E, F, H], y [M, H] expected");
   const int64_t m = a.x.dim(0), h = a.x.dim(1), e = a.tokens.dim(0), f = a.w1.dim(2);
+  if (e < 1 || e > kMaxFfnExperts)
+    return fail(kOp, "the expert count E (expert_tokens.shape[0]) must be in [1, %lld], got %lld",
+                (long long)kMaxFfnExperts, (long long)e);
   auto is = [](const Arg &t, std::initializer_list<int64_t> s) {
     if (t.ndim != static_cast<int>(s.size())) return false;
     int i = 0;
@@ -418,16 +426,14 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
 // params: x, expert_tokens, weight1, bias1, weight2, bias2, scale, offset, deq_scale1,
 // deq_scale2, then y.
 int moe_ffn_int8(const Args &args, Extra *extra) {
-  if (args.n < 11) return fail(kOp, "int8 path: expected 11 arguments, got %d", args.n);
+  if (int rc = check_count(kOp, args, 11)) return rc;
   const Int8Args a{args[0], args[1], args[2], args[3], args[4], args[5],
                    args[6], args[7], args[8], args[9], args[10]};
   if (int rc = check(a)) return rc;
-  const Activation act = parse_activation(extra->GetAttrStr("activation"));
-  if (act == Activation::kUnknown) return fail(kOp, "unknown activation");
+  Activation act;
+  if (int rc = check_activation(kOp, extra, &act)) return rc;
   std::vector<int64_t> offsets;
-  if (int rc = expert_offsets(kOp, a.tokens, extra->GetAttrBool("tokens_index_flag"),
-                              a.x.dim(0), offsets))
-    return rc;
+  if (int rc = expert_offsets(kOp, a.tokens, extra, a.x.dim(0), offsets)) return rc;
   return dispatch_float(kOp, a.y.dtype, [&](auto t) { return run<decltype(t)>(a, act, offsets); });
 }
 

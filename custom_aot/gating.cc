@@ -2,6 +2,7 @@
 // backwards (sigmoid: the seed's MoeGatingTopKBackward; softmax: this package's own).
 #include <algorithm>
 
+#include "checks.h"
 #include "common.h"
 
 namespace moe {
@@ -10,13 +11,16 @@ namespace {
 
 constexpr int64_t kMaxExperts = 2048;
 
-// Total order on float32 that sorts like the numbers (with -0 == +0) and puts NaN above +inf, so
-// selection stays well defined (and in bounds) whatever the data.
+// Total order on float32 that sorts like the numbers (with -0 == +0) and puts every NaN, whatever
+// its sign and payload, above +inf (as torch.topk does), so selection stays well defined (and in
+// bounds) whatever the data. All NaNs share one key: among them the lower index wins.
+constexpr int32_t kNanKey = INT32_MAX;
+
 inline int32_t order_key(float v) {
   v += 0.0f;  // -0 -> +0
   int32_t b;
   std::memcpy(&b, &v, 4);
-  return b ^ ((b >> 31) & 0x7fffffff);
+  return v != v ? kNanKey : b ^ ((b >> 31) & 0x7fffffff);
 }
 
 // The float an order key encodes (inverse of order_key).
@@ -114,6 +118,65 @@ void route_row(const T *x, const T *bias, const RouterAttrs &a, int n, T *y, int
   for (int p = 0; p < a.k; ++p) y[p] = from_f32<T>(w[p] * mul);
 }
 
+// -- entry-point checks (SPEC §1-2): everything the kernels rely on, before any read or write ---
+
+// Attributes and arguments of MoeGatingTopK: x [M, N] (1 <= N <= kMaxExperts), bias [N] or none,
+// y [M, k] and x's dtype, expert_idx [M, k] int32, x_norm [M, N] float32, and the attribute rules.
+int check_router(const Args &args, Extra *extra, RouterAttrs *a) {
+  const char *op = "moe_gating_top_k";
+  if (int rc = check_count(op, args, 5)) return rc;
+  const Arg x = args[0], bias = args[1], y = args[2], idx = args[3], xn = args[4];
+  if (int rc = check_arg(op, "x", x, 2, {DType::kF32, DType::kF16, DType::kBF16})) return rc;
+  const int64_t m = x.dim(0), n = x.dim(1);
+  if (n < 1 || n > kMaxExperts)
+    return fail(op, "the expert count N (x.shape[1]) must be in [1, %lld], got %lld",
+                (long long)kMaxExperts, (long long)n);
+  const int64_t k = extra->GetAttrInt("k"), k_group = extra->GetAttrInt("k_group");
+  const int64_t groups = extra->GetAttrInt("group_count"), mode = extra->GetAttrInt("group_select_mode");
+  const int64_t renorm = extra->GetAttrInt("renorm"), norm_type = extra->GetAttrInt("norm_type");
+  if ((mode != 0 && mode != 1) || (renorm != 0 && renorm != 1) || (norm_type != 0 && norm_type != 1))
+    return fail(op, "attributes group_select_mode, renorm and norm_type must be 0 or 1, got %lld, "
+                "%lld and %lld", (long long)mode, (long long)renorm, (long long)norm_type);
+  if (groups < 1 || n % groups != 0)
+    return fail(op, "attribute 'group_count' must be >= 1 and divide N=%lld, got %lld",
+                (long long)n, (long long)groups);
+  const int64_t per = n / groups;
+  if (k_group < 1 || k_group > groups)
+    return fail(op, "attribute 'k_group' must be in [1, group_count=%lld], got %lld",
+                (long long)groups, (long long)k_group);
+  if (groups > 1 && mode == 1 && per < 2)
+    return fail(op, "group_select_mode=1 needs at least 2 experts per group, got %lld",
+                (long long)per);
+  if (k < 1 || k > k_group * per)
+    return fail(op, "attribute 'k' must be in [1, k_group * N / group_count = %lld], got %lld",
+                (long long)(k_group * per), (long long)k);
+  if (int rc = check_optional(op, "bias", bias, x.dtype, {n})) return rc;
+  if (int rc = check_exact(op, "y", y, x.dtype, {m, k})) return rc;
+  if (int rc = check_exact(op, "expert_idx", idx, DType::kI32, {m, k})) return rc;
+  if (int rc = check_exact(op, "x_norm", xn, DType::kF32, {m, n})) return rc;
+  *a = RouterAttrs{(int)k, (int)k_group, (int)groups, (int)mode, (int)renorm, (int)norm_type,
+                   extra->GetAttrFloat("routed_scaling_factor"), extra->GetAttrFloat("eps")};
+  return 0;
+}
+
+// The backwards: x_norm [M, N] float32 (1 <= N <= kMaxExperts), grad_y [M, K] (1 <= K <= N),
+// expert_idx [M, K] int32, grad_x [M, N] of grad_y's dtype.
+int check_router_backward(const char *op, const Args &args) {
+  if (int rc = check_count(op, args, 4)) return rc;
+  const Arg xn = args[0], gy = args[1], ei = args[2], gx = args[3];
+  if (int rc = check_arg(op, "x_norm", xn, 2, {DType::kF32})) return rc;
+  if (int rc = check_arg(op, "grad_y", gy, 2, {DType::kF32, DType::kF16, DType::kBF16})) return rc;
+  const int64_t m = xn.dim(0), n = xn.dim(1), k = gy.dim(1);
+  if (n < 1 || n > kMaxExperts)
+    return fail(op, "the expert count N (x_norm.shape[1]) must be in [1, %lld], got %lld",
+                (long long)kMaxExperts, (long long)n);
+  if (gy.dim(0) != m || k < 1 || k > n)
+    return fail(op, "'grad_y' must be [M=%lld, K] with 1 <= K <= N=%lld, got %s", (long long)m,
+                (long long)n, shape_label(gy).c_str());
+  if (int rc = check_exact(op, "expert_idx", ei, DType::kI32, {m, k})) return rc;
+  return check_exact(op, "grad_x", gx, gy.dtype, {m, n});
+}
+
 // Checks every index before anything is written (SPEC error rules).
 int check_index_rows(const char *op, const int32_t *idx, int64_t m, int64_t k, int64_t n) {
   for (int64_t i = 0; i < m; ++i)
@@ -146,6 +209,7 @@ template <typename T>
 int gating_backward(const Args &args, Extra *extra, bool softmax) {
   const char *op = softmax ? "moe_gating_top_k_softmax_backward" : "moe_gating_top_k_backward";
   const Arg xn = args[0], gy = args[1], ei = args[2], gx = args[3];
+  if (int rc = check_router_backward(op, args)) return rc;
   const int64_t m = xn.dim(0), n = xn.dim(1), k = gy.dim(1);
   const float scale = extra->GetAttrFloat("routed_scaling_factor");
   const float eps = extra->GetAttrFloat("eps");
@@ -189,21 +253,10 @@ int gating_backward(const Args &args, Extra *extra, bool softmax) {
 MOE_KERNEL(MoeGatingTopK)(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **dtypes, void *stream, void *extra_ptr) {
   const Args args{nparam, params, ndims, shapes, dtypes};
-  auto *extra = static_cast<Extra *>(extra_ptr);
-  const Arg x = args[0], bias = args[1], y = args[2], idx = args[3], xn = args[4];
   RouterAttrs a;
-  a.k = (int)extra->GetAttrInt("k");
-  a.k_group = (int)extra->GetAttrInt("k_group");
-  a.group_count = (int)extra->GetAttrInt("group_count");
-  a.group_select_mode = (int)extra->GetAttrInt("group_select_mode");
-  a.renorm = (int)extra->GetAttrInt("renorm");
-  a.norm_type = (int)extra->GetAttrInt("norm_type");
-  a.scale = extra->GetAttrFloat("routed_scaling_factor");
-  a.eps = extra->GetAttrFloat("eps");
+  if (int rc = moe::check_router(args, static_cast<moe::Extra *>(extra_ptr), &a)) return rc;
+  const Arg x = args[0], bias = args[1], y = args[2], idx = args[3], xn = args[4];
   const int64_t m = x.dim(0), n = x.dim(1);
-  if (n < 1 || n > kMaxExperts || a.k < 1 || a.k > n || a.group_count < 1 || n % a.group_count ||
-      a.k_group < 1 || a.k_group > a.group_count || a.k > a.k_group * (n / a.group_count))
-    return fail("moe_gating_top_k", "invalid shape or attributes (N=%lld, k=%d)", (long long)n, a.k);
   return dispatch_float("moe_gating_top_k", x.dtype, [&](auto tag) {
     using T = decltype(tag);
 #pragma omp parallel for schedule(static)

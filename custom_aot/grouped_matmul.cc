@@ -69,29 +69,59 @@ void transposed_x_form(const Arg &x, const Arg &b, const std::vector<int64_t> &o
   }
 }
 
+// The arguments (SPEC §5): x [M, K] float; group_list int64 [G], G >= 1; rows form: weight
+// [G, K, N] ([G, N, K] with transpose_weight), bias [G, N] or none, out [M, N]; transpose_x:
+// weight [M, N], no bias, out [G, K, N]; every tensor of x's dtype, every size within the BLAS's
+// int. Both transposes at once are not a form.
+int check_grouped_matmul(const Args &args, bool trans_x, bool trans_w) {
+  if (int rc = check_count(kOp, args, 5)) return rc;
+  const Arg x = args[0], w = args[1], groups = args[2], bias = args[3], out = args[4];
+  if (int rc = check_arg(kOp, "x", x, 2, {DType::kF32, DType::kF16, DType::kBF16})) return rc;
+  if (int rc = check_arg(kOp, "group_list", groups, 1, {DType::kI64})) return rc;
+  const int64_t m = x.dim(0), k = x.dim(1), g = groups.dim(0);
+  if (g < 1) return fail(kOp, "'group_list' must hold at least one group, got %s", shape_label(groups).c_str());
+  if (trans_x && trans_w)
+    return fail(kOp, "attributes 'transpose_x' and 'transpose_weight' cannot both be true");
+  if (int rc = check_arg(kOp, "weight", w, trans_x ? 2 : 3, {x.dtype})) return rc;
+  const int64_t n = trans_x ? w.dim(1) : trans_w ? w.dim(1) : w.dim(2);
+  if (trans_x) {
+    if (int rc = check_exact(kOp, "weight", w, x.dtype, {m, n})) return rc;
+    if (int rc = check_absent(kOp, "bias", bias, "no bias with transpose_x")) return rc;
+    if (int rc = check_exact(kOp, "out", out, x.dtype, {g, k, n})) return rc;
+  } else {
+    if (trans_w) {
+      if (int rc = check_exact(kOp, "weight", w, x.dtype, {g, n, k})) return rc;
+    } else if (int rc = check_exact(kOp, "weight", w, x.dtype, {g, k, n})) {
+      return rc;
+    }
+    if (int rc = check_optional(kOp, "bias", bias, x.dtype, {g, n})) return rc;
+    if (int rc = check_exact(kOp, "out", out, x.dtype, {m, n})) return rc;
+  }
+  if (!blas_sizes_ok({m, k, n})) return fail(kOp, "a dimension exceeds the BLAS limit of %d", INT_MAX);
+  return 0;
+}
+
 }  // namespace
 }  // namespace MOE_ISA_NS
 }  // namespace moe
 
 // inputs: x [M, K], weight ([G, K, N], [G, N, K] transposed, or [M, N] with transpose_x),
 // group_list int64 [G], bias [G, N] or None; output [M, N] (or [G, K, N] with transpose_x).
+// attrs transpose_x, transpose_weight, cumulative, padded (rows past the last group allowed;
+// true when absent).
 MOE_KERNEL(GroupedMatmul)(int nparam, void **params, int *ndims, int64_t **shapes,
                              const char **dtypes, void *stream, void *extra_ptr) {
   const Args args{nparam, params, ndims, shapes, dtypes};
   auto *extra = static_cast<Extra *>(extra_ptr);
-  const Arg x = args[0], w = args[1], groups = args[2], bias = args[3], out = args[4];
   const bool trans_x = extra->GetAttrBool("transpose_x");
   const bool trans_w = extra->GetAttrBool("transpose_weight");
   const bool cumulative = extra->GetAttrBool("cumulative");
-  const int64_t m = x.dim(0), g = groups.numel();
-  // shapes were validated when the graph was built; these keep every access in bounds anyway
-  const bool shapes_ok = trans_x ? (w.ndim == 2 && w.dim(0) == m && out.dim(0) == g)
-                                 : (w.ndim == 3 && w.dim(0) == g && out.dim(0) == m);
-  if (!shapes_ok) return fail(kOp, "inconsistent shapes (M=%lld, G=%lld)", (long long)m, (long long)g);
-  if (!blas_sizes_ok({x.dim(0), x.dim(1), w.dim(-1), w.dim(-2), out.dim(-1)}))
-    return fail(kOp, "a dimension exceeds the BLAS limit of %d", INT_MAX);
+  if (int rc = check_grouped_matmul(args, trans_x, trans_w)) return rc;
+  const Arg x = args[0], w = args[1], groups = args[2], bias = args[3], out = args[4];
   std::vector<int64_t> offsets;
-  if (int rc = group_offsets(kOp, "group_list", groups, cumulative, m, offsets)) return rc;
+  if (int rc = group_offsets(kOp, "group_list", groups, cumulative, padded_attr(extra, true),
+                             x.dim(0), offsets))
+    return rc;
   return dispatch_float(kOp, x.dtype, [&](auto tag) {
     using T = decltype(tag);
     if (trans_x)

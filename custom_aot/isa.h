@@ -37,6 +37,11 @@ namespace dispatch {
 // Index of the path a kernel call takes now (0 generic, 1 avx2, 2 avx512), or -1 after one
 // line on stderr when MS_MOE_OPS_ISA names an unknown path or one this CPU or build lacks.
 int path();
+// The failure message of the last kernel call on this thread (fail() records it), and the
+// exception the exported entry points throw with it: MindSpore catches a std::exception from an
+// AOT kernel and raises a RuntimeError carrying its message, in PyNative and GRAPH mode alike.
+void record_error(const char *message);
+[[noreturn]] void throw_error();
 }  // namespace dispatch
 
 }  // namespace moe
@@ -58,7 +63,8 @@ int path();
 //   MOE_KERNEL(Name)(int nparam, void **params, int *ndims, int64_t **shapes,
 //                    const char **dtypes, void *stream, void *extra) { ... }
 // The body becomes moe::isa_<path>::Name; the baseline compile adds the exported `Name` that
-// calls the chosen path's copy.
+// calls the chosen path's copy. A body returns non-zero after fail() (nothing written); the
+// exported function then throws std::runtime_error with fail()'s message.
 #if defined(MOE_ENTRY_POINTS)
 #define MOE_KERNEL(name)                                                                     \
   MOE_DECLARE_PATHS(name)                                                                    \
@@ -66,7 +72,9 @@ int path();
                       const char **dtypes, void *stream, void *extra) {                      \
     static moe::KernelFn *const paths[] = {MOE_PATHS(name)};                                 \
     const int p = moe::dispatch::path();                                                     \
-    return p < 0 ? 1 : paths[p](nparam, params, ndims, shapes, dtypes, stream, extra);       \
+    if (p < 0 || paths[p](nparam, params, ndims, shapes, dtypes, stream, extra) != 0)        \
+      moe::dispatch::throw_error();                                                          \
+    return 0;                                                                                \
   }                                                                                          \
   int moe::isa_generic::name
 #else

@@ -10,6 +10,7 @@
 //               d_probs[t,k] = <permuted[sorted_index[t*K+k]], dout[t]>
 #include <vector>
 
+#include "checks.h"
 #include "common.h"
 
 namespace moe {
@@ -103,9 +104,80 @@ int dispatch_rows_probs(const char *op, DType rows, DType probs, F &&f) {
 
 // K from the top_k attribute (0: from probs, or 1 without probs).
 int64_t slots_per_token(Extra *extra, const Arg &probs) {
-  if (probs.present()) return probs.dim(1);
+  if (given(probs)) return probs.dim(1);
   const int64_t k = extra->GetAttrInt("top_k");
   return k > 0 ? k : 1;
+}
+
+constexpr int64_t kMaxRows = INT32_MAX;  // sorted_index holds row numbers as int32
+
+// -- entry-point checks (SPEC §5): everything the kernels rely on, before any read or write ------
+
+// MoeTokenPermute: x [T, H] (H may be 0), expert_idx [T, K] int32 with T*K <= INT32_MAX,
+// num_experts >= 1; permuted [T*K, H] of x's dtype, sorted_index [T*K] int32, counts [E] int64.
+int check_permute(const Args &args, int64_t experts) {
+  const char *op = "moe_token_permute";
+  if (int rc = check_count(op, args, 5)) return rc;
+  const Arg x = args[0], ei = args[1];
+  if (int rc = check_arg(op, "x", x, 2, {DType::kF32, DType::kF16, DType::kBF16})) return rc;
+  if (int rc = check_arg(op, "expert_idx", ei, 2, {DType::kI32})) return rc;
+  const int64_t t = x.dim(0), h = x.dim(1), k = ei.dim(1);
+  if (ei.dim(0) != t)
+    return fail(op, "'expert_idx' must have T=%lld rows like 'x', got %s", (long long)t,
+                shape_label(ei).c_str());
+  if (k > 0 && t > kMaxRows / k)
+    return fail(op, "T*K must fit in int32 (sorted_index), got T=%lld, K=%lld", (long long)t,
+                (long long)k);
+  if (experts < 1) return fail(op, "attribute 'num_experts' must be >= 1, got %lld", (long long)experts);
+  if (int rc = check_exact(op, "permuted", args[2], x.dtype, {t * k, h})) return rc;
+  if (int rc = check_exact(op, "sorted_index", args[3], DType::kI32, {t * k})) return rc;
+  return check_exact(op, "counts", args[4], DType::kI64, {experts});
+}
+
+// The unpermute's inputs: permuted [N, H] with N <= INT32_MAX, sorted_index [N] int32, probs
+// [T, K] (float32 or permuted's dtype, T*K = N) or none (then K = top_k or 1, N % K == 0);
+// sets T and K.
+int check_unpermute_inputs(const char *op, const Args &args, Extra *extra, int64_t *t, int64_t *k) {
+  const Arg permuted = args[0], sorted = args[1], probs = args[2];
+  if (int rc = check_arg(op, "permuted", permuted, 2, {DType::kF32, DType::kF16, DType::kBF16}))
+    return rc;
+  const int64_t n = permuted.dim(0);
+  if (n > kMaxRows)
+    return fail(op, "'permuted' has %lld rows, more than int32 sorted_index can address", (long long)n);
+  if (int rc = check_exact(op, "sorted_index", sorted, DType::kI32, {n})) return rc;
+  if (given(probs)) {
+    if (int rc = check_arg(op, "probs", probs, 2, {DType::kF32, permuted.dtype})) return rc;
+    if (probs.dim(0) * probs.dim(1) != n)
+      return fail(op, "'probs' [T, K] must have T*K = %lld (the permuted rows), got %s",
+                  (long long)n, shape_label(probs).c_str());
+  } else if (extra->GetAttrInt("top_k") < 0) {
+    return fail(op, "attribute 'top_k' must be >= 0, got %lld", (long long)extra->GetAttrInt("top_k"));
+  }
+  *k = slots_per_token(extra, probs);
+  if (*k == 0 ? n != 0 : n % *k != 0)
+    return fail(op, "the permuted rows (%lld) must be a multiple of K=%lld", (long long)n, (long long)*k);
+  *t = *k ? n / *k : probs.dim(0);
+  return 0;
+}
+
+// MoeTokenUnpermute: those inputs; out [T, H] of permuted's dtype.
+int check_unpermute(const Args &args, Extra *extra, int64_t *t, int64_t *k) {
+  const char *op = "moe_token_unpermute";
+  if (int rc = check_count(op, args, 4)) return rc;
+  if (int rc = check_unpermute_inputs(op, args, extra, t, k)) return rc;
+  return check_exact(op, "out", args[3], args[0].dtype, {*t, args[0].dim(1)});
+}
+
+// MoeTokenUnpermuteBackward: those inputs and grad_out [T, H]; grad_permuted like permuted,
+// grad_probs [T, K] of probs' dtype (float32 without probs).
+int check_unpermute_backward(const Args &args, Extra *extra, int64_t *t, int64_t *k) {
+  const char *op = "moe_token_unpermute_backward";
+  if (int rc = check_count(op, args, 6)) return rc;
+  if (int rc = check_unpermute_inputs(op, args, extra, t, k)) return rc;
+  const Arg permuted = args[0], probs = args[2];
+  if (int rc = check_exact(op, "grad_out", args[3], permuted.dtype, {*t, permuted.dim(1)})) return rc;
+  if (int rc = check_like(op, "grad_permuted", args[4], permuted)) return rc;
+  return check_exact(op, "grad_probs", args[5], given(probs) ? probs.dtype : DType::kF32, {*t, *k});
 }
 
 }  // namespace
@@ -120,12 +192,10 @@ MOE_KERNEL(MoeTokenPermute)(int nparam, void **params, int *ndims, int64_t **sha
   const Args args{nparam, params, ndims, shapes, dtypes};
   auto *extra = static_cast<Extra *>(extra_ptr);
   const Arg x = args[0], ei = args[1], permuted = args[2], sorted = args[3], counts = args[4];
-  const int64_t tokens = x.dim(0), h = x.dim(1), k = ei.dim(1);
   const int64_t experts = extra->GetAttrInt("num_experts");
-  const size_t row_bytes = h * element_size(x.dtype);
-  if (row_bytes == 0 || ei.dim(0) != tokens || counts.dim(0) != experts)
-    return fail(op, "invalid dtype or shapes (T=%lld, H=%lld, E=%lld)", (long long)tokens,
-                (long long)h, (long long)experts);
+  if (int rc = check_permute(args, experts)) return rc;
+  const int64_t tokens = x.dim(0), h = x.dim(1), k = ei.dim(1);
+  const size_t row_bytes = h * element_size(x.dtype);  // 0 for H = 0: empty rows, nothing to copy
   const int32_t *idx = ei.as<int32_t>();
   const int64_t n = tokens * k;
   for (int64_t i = 0; i < n; ++i)
@@ -146,6 +216,7 @@ MOE_KERNEL(MoeTokenPermute)(int nparam, void **params, int *ndims, int64_t **sha
   // bitwise row copies, whatever the dtype
   const char *src = x.as<char>();
   char *out = permuted.as<char>();
+  if (row_bytes == 0) return 0;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) std::memcpy(out + dest[i] * row_bytes, src + (i / k) * row_bytes, row_bytes);
   return 0;
@@ -158,12 +229,9 @@ MOE_KERNEL(MoeTokenUnpermute)(int nparam, void **params, int *ndims, int64_t **s
   const char *op = "moe_token_unpermute";
   const Args args{nparam, params, ndims, shapes, dtypes};
   const Arg permuted = args[0], sorted = args[1], probs = args[2], out = args[3];
+  int64_t tokens, k;
+  if (int rc = check_unpermute(args, static_cast<Extra *>(extra_ptr), &tokens, &k)) return rc;
   const int64_t n = permuted.dim(0), h = permuted.dim(1);
-  const int64_t k = slots_per_token(static_cast<Extra *>(extra_ptr), probs);
-  const int64_t tokens = out.dim(0);
-  if (sorted.dim(0) != n || tokens * k != n || out.dim(1) != h)
-    return fail(op, "invalid shapes (rows=%lld, K=%lld, T=%lld)", (long long)n, (long long)k,
-                (long long)tokens);
   if (int rc = check_permutation(op, sorted.as<int32_t>(), n)) return rc;
   return dispatch_rows_probs(op, permuted.dtype, probs.dtype, [&](auto tag, auto ptag) {
     using T = decltype(tag);
@@ -182,12 +250,9 @@ MOE_KERNEL(MoeTokenUnpermuteBackward)(int nparam, void **params, int *ndims, int
   const Args args{nparam, params, ndims, shapes, dtypes};
   const Arg permuted = args[0], sorted = args[1], probs = args[2], dout = args[3];
   const Arg d_permuted = args[4], d_probs = args[5];
+  int64_t tokens, k;
+  if (int rc = check_unpermute_backward(args, static_cast<Extra *>(extra_ptr), &tokens, &k)) return rc;
   const int64_t n = permuted.dim(0), h = permuted.dim(1);
-  const int64_t k = slots_per_token(static_cast<Extra *>(extra_ptr), probs);
-  const int64_t tokens = dout.dim(0);
-  if (sorted.dim(0) != n || tokens * k != n || dout.dim(1) != h || d_probs.numel() != n)
-    return fail(op, "invalid shapes (rows=%lld, K=%lld, T=%lld)", (long long)n, (long long)k,
-                (long long)tokens);
   if (int rc = check_permutation(op, sorted.as<int32_t>(), n)) return rc;
   return dispatch_rows_probs(op, permuted.dtype, d_probs.dtype, [&](auto tag, auto ptag) {
     using T = decltype(tag);

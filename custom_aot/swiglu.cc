@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "checks.h"
 #include "common.h"
 
 namespace moe {
@@ -25,7 +26,6 @@ inline Sigmoid sigmoid_pair(float a) {
 int rows_to_process(const char *op, const Arg &group_index, int64_t rows, int64_t *trunc) {
   *trunc = rows;
   if (!group_index.present()) return 0;
-  if (group_index.dtype != DType::kI64) return fail(op, "'group_index' must be int64");
   const int64_t *counts = group_index.as<int64_t>();
   const int64_t g = group_index.numel();
   int64_t sum = 0;
@@ -33,7 +33,8 @@ int rows_to_process(const char *op, const Arg &group_index, int64_t rows, int64_
     if (counts[i] < 0)
       return fail(op, "group_index[%lld] = %lld is negative (token counts must be >= 0)",
                   (long long)i, (long long)counts[i]);
-    sum = std::min(sum + counts[i], rows);  // saturates: no overflow whatever the counts
+    // saturates at rows: compared before adding, so counts near INT64_MAX cannot overflow
+    sum = counts[i] >= rows - sum ? rows : sum + counts[i];
   }
   *trunc = sum;
   return 0;
@@ -43,20 +44,62 @@ struct Layout {
   int64_t rows, h;  // x is [rows, 2h]
 };
 
-// Sizes every tensor must have; the Python infer functions guarantee them, this keeps the kernel
-// in bounds even when called directly.
+// x [.., 2H] (rank 2 or 3, a float dtype, an even last dimension) and the shape of a tensor
+// that is x's with the last dimension `last`.
 int check_layout(const char *op, const Arg &x, Layout *l) {
-  if (x.ndim < 1 || x.dim(-1) % 2 != 0) return fail(op, "'x' must have an even last dimension");
+  if (int rc = check_arg(op, "x", x, -1, {DType::kF32, DType::kF16, DType::kBF16})) return rc;
+  if ((x.ndim != 2 && x.ndim != 3) || x.dim(-1) % 2 != 0)
+    return fail(op, "'x' must be [T, 2H] or [B, S, 2H] with an even last dimension, got %s",
+                shape_label(x).c_str());
   l->h = x.dim(-1) / 2;
-  l->rows = l->h ? x.numel() / (2 * l->h) : 0;
+  l->rows = x.dim(0) * (x.ndim == 3 ? x.dim(1) : 1);
   return 0;
 }
 
-int check_numel(const char *op, const char *name, const Arg &a, int64_t want) {
-  if (a.present() && a.numel() != want)
-    return fail(op, "'%s' has %lld elements, expected %lld", name, (long long)a.numel(),
-                (long long)want);
-  return 0;
+// `a` has x's leading dimensions, then `last`, and dtype `dtype`.
+int check_rows(const char *op, const char *name, const Arg &a, const Arg &x, int64_t last,
+               DType dtype) {
+  if (x.ndim == 3) return check_exact(op, name, a, dtype, {x.dim(0), x.dim(1), last});
+  return check_exact(op, name, a, dtype, {x.dim(0), last});
+}
+
+int check_group_index(const char *op, const Arg &group_index) {
+  return given(group_index) ? check_arg(op, "group_index", group_index, 1, {DType::kI64}) : 0;
+}
+
+// SwigluGroup: x [.., 2H], weight [.., 1] float32 or none, group_index int64 [G] or none;
+// y and y_origin [.., H] of x's dtype.
+int check_forward(const Args &args, Layout *l) {
+  const char *op = "swiglu_group";
+  if (int rc = check_count(op, args, 5)) return rc;
+  const Arg x = args[0], weight = args[1], group_index = args[2];
+  if (int rc = check_layout(op, x, l)) return rc;
+  if (given(weight))
+    if (int rc = check_rows(op, "weight", weight, x, 1, DType::kF32)) return rc;
+  if (int rc = check_group_index(op, group_index)) return rc;
+  if (int rc = check_rows(op, "y", args[3], x, l->h, x.dtype)) return rc;
+  return check_rows(op, "y_origin", args[4], x, l->h, x.dtype);
+}
+
+// SwigluGroupQuantGrad: grad_y [.., H] and x [.., 2H] of one dtype, weight [.., 1] float32 or
+// none (then y_origin [.., H] is required), y_origin or none, group_index int64 [G] or none;
+// grad_x like x, grad_weight [.., 1] float32.
+int check_backward(const Args &args, Layout *l) {
+  const char *op = "swiglu_group_quant_grad";
+  if (int rc = check_count(op, args, 7)) return rc;
+  const Arg grad_y = args[0], x = args[1], weight = args[2], y_origin = args[3];
+  if (int rc = check_layout(op, x, l)) return rc;
+  if (int rc = check_rows(op, "grad_y", grad_y, x, l->h, x.dtype)) return rc;
+  if (given(weight)) {
+    if (int rc = check_rows(op, "weight", weight, x, 1, DType::kF32)) return rc;
+    if (!given(y_origin))
+      return fail(op, "'weight' needs 'y_origin' to compute the weight's gradient, got none");
+  }
+  if (given(y_origin))
+    if (int rc = check_rows(op, "y_origin", y_origin, x, l->h, x.dtype)) return rc;
+  if (int rc = check_group_index(op, args[4])) return rc;
+  if (int rc = check_like(op, "grad_x", args[5], x)) return rc;
+  return check_rows(op, "grad_weight", args[6], x, 1, DType::kF32);
 }
 
 // -- float32 blocks ----------------------------------------------------------------------------
@@ -217,10 +260,7 @@ int swiglu_forward(const Args &args, Extra *extra) {
   const char *op = "swiglu_group";
   const Arg x = args[0], weight = args[1], group_index = args[2], y = args[3], y_origin = args[4];
   Layout l;
-  if (int rc = check_layout(op, x, &l)) return rc;
-  if (int rc = check_numel(op, "weight", weight, l.rows)) return rc;
-  if (int rc = check_numel(op, "y", y, l.rows * l.h)) return rc;
-  if (int rc = check_numel(op, "y_origin", y_origin, l.rows * l.h)) return rc;
+  if (int rc = check_forward(args, &l)) return rc;
   int64_t trunc;
   if (int rc = rows_to_process(op, group_index, l.rows, &trunc)) return rc;
   const float c = extra->GetAttrFloat("clamp_limit");
@@ -252,15 +292,8 @@ int swiglu_backward(const Args &args, Extra *extra) {
   const Arg grad_y = args[0], x = args[1], weight = args[2], y_origin = args[3],
             group_index = args[4], grad_x = args[5], grad_weight = args[6];
   Layout l;
-  if (int rc = check_layout(op, x, &l)) return rc;
+  if (int rc = check_backward(args, &l)) return rc;
   const int64_t h = l.h;
-  if (int rc = check_numel(op, "grad_y", grad_y, l.rows * h)) return rc;
-  if (int rc = check_numel(op, "weight", weight, l.rows)) return rc;
-  if (int rc = check_numel(op, "y_origin", y_origin, l.rows * h)) return rc;
-  if (int rc = check_numel(op, "grad_x", grad_x, l.rows * 2 * h)) return rc;
-  if (int rc = check_numel(op, "grad_weight", grad_weight, l.rows)) return rc;
-  if (weight.present() && !y_origin.present())
-    return fail(op, "'weight' needs 'y_origin' to compute the weight's gradient");
   int64_t trunc;
   if (int rc = rows_to_process(op, group_index, l.rows, &trunc)) return rc;
   const float c = extra->GetAttrFloat("clamp_limit");

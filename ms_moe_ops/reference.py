@@ -16,8 +16,10 @@ def _softmax(x):
 
 
 def _top_k(values, k):
-    """Indices of the k largest values, descending, lower index first on ties."""
-    order = np.lexsort((np.arange(values.shape[-1]), -values))
+    """Indices of the k largest values, descending, lower index first on ties. NaN ranks above
+    every number, +inf included (the kernels' order, as torch.topk)."""
+    nan = np.isnan(values)
+    order = np.lexsort((np.arange(values.shape[-1]), -np.where(nan, 0.0, values), ~nan))
     return order[:k]
 
 
@@ -37,19 +39,17 @@ def moe_gating_top_k(x, k, bias=None, k_group=1, group_count=1, group_select_mod
     idx = np.zeros((m, k), np.int32)
     per = n // group_count
     for i in range(m):
-        c = choice[i].copy()
+        c = choice[i]
+        candidates = np.arange(n)
         if group_count > 1:
             groups = c.reshape(group_count, per)
-            if group_select_mode == 0:
-                score = groups.max(axis=1)
-            else:
-                score = np.sort(groups, axis=1)[:, -2:].sum(axis=1)
-            keep = _top_k(score.astype(np.float32), k_group)
-            mask = np.full(group_count, True)
-            mask[keep] = False
-            groups[mask] = -np.inf
-            c = groups.reshape(n)
-        idx[i] = _top_k(c, k)
+            best = np.take_along_axis(groups, np.stack([_top_k(g, 2) for g in groups]), axis=1)
+            # a group's NaN ranks first; the score of a group holding one is NaN
+            score = best[:, 0] if group_select_mode == 0 else best[:, :2].sum(axis=1)
+            keep = np.sort(_top_k(score.astype(np.float32), k_group))
+            # only the kept groups' experts are candidates (dropped ones can never win)
+            candidates = (keep[:, None] * per + np.arange(per)).reshape(-1)
+        idx[i] = candidates[_top_k(c[candidates], k)]
         w = x_norm[i, idx[i]]
         if norm_type == 1 or renorm == 1:
             w = w / (w.sum() + eps)
@@ -321,7 +321,8 @@ def _swiglu_rows(x, group_index):
     counts = np.asarray(group_index, np.int64)
     if (counts < 0).any():
         raise ValueError("group_index: token counts must be >= 0")
-    return rows, int(min(counts.sum(), rows.shape[0]))
+    # Python integers: no wrap-around whatever the counts (int64 sums would wrap near 2**63)
+    return rows, min(sum(int(c) for c in counts.reshape(-1)), rows.shape[0])
 
 
 def _swiglu_halves(rows, clamp_limit):
@@ -369,20 +370,26 @@ def swiglu_group_quant_grad(grad_y, x, weight=None, y_origin=None, group_index=N
 
 # -- grouped_matmul and moe_ffn float path (SPEC §4-5) -------------------------------------------
 
-def _group_offsets(group_list, m, cumulative):
-    ends = np.asarray(group_list, np.int64) if cumulative else np.cumsum(group_list)
-    starts = np.concatenate([[0], ends[:-1]])
-    # rows past the last group (a padded batch) belong to no group: zero output rows
-    assert ends[-1] <= m and (ends >= starts).all(), "counts must fit the M rows"
+def _group_offsets(group_list, m, cumulative, padded=True):
+    """[(start, end)] of every group. The groups cover the m rows exactly, or with padded at most
+    m rows: the rows past the last group (a padded batch) belong to no group (zero output rows).
+    Counts that do not fit raise ValueError."""
+    counts = [int(c) for c in np.asarray(group_list, np.int64).reshape(-1)]  # no int64 wrap
+    ends = counts if cumulative else list(np.cumsum([0] + counts, dtype=object)[1:])
+    starts = [0] + ends[:-1]
+    if any(c < 0 for c in counts) or any(e < s for s, e in zip(starts, ends)) or ends[-1] > m:
+        raise ValueError(f"counts {counts} do not fit the {m} rows")
+    if not padded and ends[-1] != m:
+        raise ValueError(f"counts {counts} cover {ends[-1]} of the {m} rows (padded=False)")
     return list(zip(starts, ends))
 
 
 def grouped_matmul(x, weight, group_list, bias=None, transpose_x=False, transpose_weight=False,
-                   cumulative=False):
+                   cumulative=False, padded=True):
     """-> [M, N] (or [G, K, N] with transpose_x) float64, one product per group of rows."""
     x = np.asarray(x, np.float64)
     w = np.asarray(weight, np.float64)
-    groups = _group_offsets(group_list, x.shape[0], cumulative)
+    groups = _group_offsets(group_list, x.shape[0], cumulative, padded)
     if transpose_x:
         return np.stack([x[s:e].T @ w[s:e] for s, e in groups])
     if transpose_weight:
@@ -408,8 +415,10 @@ def ffn_activation(name, h):
 
 def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=None, offset=None,
             deq_scale1=None, deq_scale2=None, activation="fastgelu", tokens_index_flag=False,
-            output_dtype=None):
-    """-> y [M, H] float64. int8 x goes to moe_ffn_quant (the quant path's golden model)."""
+            output_dtype=None, padded=False):
+    """-> y [M, H] float64. int8 x goes to moe_ffn_quant (the quant path's golden model). The
+    expert tokens must cover every row unless padded (ValueError)."""
+    _group_offsets(expert_tokens, np.shape(x)[0], tokens_index_flag, padded)
     if np.asarray(x).dtype == np.int8:
         quant = globals().get("moe_ffn_quant")
         if quant is None:

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 namespace moe {
@@ -26,6 +27,15 @@ int best_path() {
 
 const int kBest = best_path();
 
+thread_local std::string last_error;
+
+// One line on stderr (the message also reaches the exception) and the message kept.
+void report(const std::string &message) {
+  std::fprintf(stderr, "%s\n", message.c_str());
+  std::fflush(stderr);
+  last_error = message;
+}
+
 std::string available() {
   std::string s;
   for (int p = 0; p <= kBest; ++p) s += std::string(p ? " " : "") + kPaths[p];
@@ -41,13 +51,19 @@ int path() {
   for (int p = 0; p < 3; ++p) {
     if (std::strcmp(want, kPaths[p]) != 0) continue;
     if (p <= kBest) return p;
-    std::fprintf(stderr, "ms_moe_ops: MS_MOE_OPS_ISA=%s: this CPU (or build) has no %s path; "
-                 "it runs: %s\n", want, want, available().c_str());
+    report(std::string("ms_moe_ops: MS_MOE_OPS_ISA=") + want + ": this CPU (or build) has no " +
+           want + " path; it runs: " + available());
     return -1;
   }
-  std::fprintf(stderr, "ms_moe_ops: MS_MOE_OPS_ISA=%s is not a path; use one of: %s\n", want,
-               available().c_str());
+  report(std::string("ms_moe_ops: MS_MOE_OPS_ISA=") + want + " is not a path; use one of: " +
+         available());
   return -1;
+}
+
+void record_error(const char *message) { last_error = message; }
+
+void throw_error() {
+  throw std::runtime_error(last_error.empty() ? "ms_moe_ops: kernel failed" : last_error);
 }
 
 }  // namespace dispatch

@@ -34,10 +34,14 @@ class MoeFFN(SelfCastingCell):
     in the compute dtype. row_weight (float32, e.g. routing probabilities in row order) multiplies each
     output row; with swiglu it is swiglu_group's per-token weight, so its gradient comes from the
     fused backward.
+
+    The counts must add up to M (a RuntimeError otherwise), unless padded=True: then they may
+    cover fewer rows (a padded batch, as the expert-parallel exchange makes), whose output rows
+    are zero.
     """
 
     def __init__(self, num_experts, hidden_size, ffn_hidden_size, activation="fastgelu",
-                 has_bias=False, clamp_limit=0.0):
+                 has_bias=False, clamp_limit=0.0, padded=False):
         super().__init__()
         num_experts = int_arg("MoeFFN", "num_experts", num_experts)
         hidden_size = int_arg("MoeFFN", "hidden_size", hidden_size)
@@ -54,6 +58,7 @@ class MoeFFN(SelfCastingCell):
         self.swiglu = activation == "swiglu"
         self.has_bias = bool(has_bias)
         self.clamp_limit = float(clamp_limit)
+        self.padded = bool(padded)
         width = 2 * ffn_hidden_size if self.swiglu else ffn_hidden_size
         # the usual nn.Dense initialisation, per expert
         self.weight1 = Parameter(initializer(Uniform(1 / math.sqrt(hidden_size)),
@@ -80,14 +85,15 @@ class MoeFFN(SelfCastingCell):
         if not self.swiglu:
             b1 = None if self.bias1 is None else self.bias1.astype(dtype)
             b2 = None if self.bias2 is None else self.bias2.astype(dtype)
-            y = moe_ops.moe_ffn(x, expert_tokens, w1, w2, b1, b2, activation=self.activation)
+            y = moe_ops.moe_ffn(x, expert_tokens, w1, w2, b1, b2, activation=self.activation,
+                                padded=self.padded)
             if row_weight is not None:
                 y = (y.astype(ms.float32) * row_weight).astype(dtype)
             return y
         b1 = None if self.bias1 is None else self.bias1.astype(dtype)
-        h = moe_ops.grouped_matmul(x, w1, expert_tokens, b1)
+        h = moe_ops.grouped_matmul(x, w1, expert_tokens, b1, padded=self.padded)
         a = moe_ops.swiglu_group(h, row_weight, expert_tokens, clamp_limit=self.clamp_limit)
-        y = moe_ops.grouped_matmul(a, w2, expert_tokens)
+        y = moe_ops.grouped_matmul(a, w2, expert_tokens, padded=self.padded)
         if self.has_bias:
             # bias2 is part of the expert, so the routing weight (applied inside swiglu_group)
             # must scale it too: added per row rather than by the grouped matmul
@@ -103,4 +109,4 @@ class MoeFFN(SelfCastingCell):
     def extend_repr(self):
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation}, "
-                f"has_bias={self.has_bias}, clamp_limit={self.clamp_limit}")
+                f"has_bias={self.has_bias}, clamp_limit={self.clamp_limit}, padded={self.padded}")

@@ -164,8 +164,10 @@ class MoELayer(SelfCastingCell):
             self.dispatcher = ExpertDispatcher(expert_parallel, num_experts, hidden_size)
             local_experts = self.dispatcher.local_experts
             self.router.count_over(expert_parallel.group)
+        # the exchange may hand the experts a padded batch: they must allow it
         self.experts = MoeFFN(local_experts, hidden_size, ffn_hidden_size, activation=activation,
-                              clamp_limit=clamp_limit)
+                              clamp_limit=clamp_limit,
+                              padded=self.dispatcher is not None and self.dispatcher.padded)
         if n_shared_experts > 0:
             shared = (cfg.shared_ffn_hidden_size or ffn_hidden_size) * n_shared_experts
             self.shared_experts = SharedExperts(hidden_size, shared, gate=shared_expert_gate)

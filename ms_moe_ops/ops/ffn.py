@@ -163,12 +163,12 @@ def _bprop(a):
 
 def _ffn_composed(a):
     """The float path from grouped_matmul and the activation (each resolves on its own)."""
-    name, cumulative = a["activation"], a["tokens_index_flag"]
+    name, cumulative, padded = a["activation"], a["tokens_index_flag"], a["padded"]
 
     def ffn(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
-        h = grouped_matmul(x, w1, tokens, b1, cumulative=cumulative)
+        h = grouped_matmul(x, w1, tokens, b1, cumulative=cumulative, padded=padded)
         act = _activation(name, h.astype(ms.float32))[0].astype(x.dtype)
-        return grouped_matmul(act, w2, tokens, b2, cumulative=cumulative)
+        return grouped_matmul(act, w2, tokens, b2, cumulative=cumulative, padded=padded)
 
     return ffn
 
@@ -184,16 +184,18 @@ def _ffn_builtin(a):
     from mindspore.ops.auto_generate import FFNExt, tensor_to_tuple  # pylint: disable=import-outside-toplevel
 
     prim = FFNExt(a["activation"], 0)  # inner_precise 0: the high-precision float16 kernel
-    cumulative = a["tokens_index_flag"]
+    cumulative, padded = a["tokens_index_flag"], a["padded"]
 
     def ffn(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
         # aclnnFFN takes per-expert counts covering every row: a padded batch's rows past the
         # last expert go to it and are masked out
-        tokens, covered = cover_every_row(tokens, x.shape[0], cumulative)
+        covered = None
+        if padded:
+            tokens, covered = cover_every_row(tokens, x.shape[0], cumulative)
         if cumulative:
             tokens = tokens - ops.concat((ops.zeros((1,), ms.int64), tokens[:-1]))
         y = prim(x, w1, w2, tensor_to_tuple(tokens), b1, b2, scale, offset, dq1, dq2)
-        return y * covered.astype(y.dtype)
+        return y if covered is None else y * covered.astype(y.dtype)
 
     return ffn
 
@@ -224,7 +226,7 @@ MOE_FFN = OpDef(
     optional=("bias1", "bias2", "scale", "offset", "deq_scale1", "deq_scale2"),
     outputs=("y",),
     attrs=(Attr("activation", str, "fastgelu"), Attr("tokens_index_flag", bool, False),
-           Attr("output_dtype", str, "")),
+           Attr("output_dtype", str, ""), Attr("padded", bool, False)),
     check_attrs=_check_attrs,
     infer=_infer,
     infer_dtype=_infer_dtype,
@@ -239,17 +241,16 @@ MOE_FFN = OpDef(
 
 def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=None, offset=None,
             deq_scale1=None, deq_scale2=None, activation="fastgelu", tokens_index_flag=False,
-            output_dtype=None):
+            output_dtype=None, padded=False):
     """Feed-forward network of every expert over its rows (SPEC §4).
 
     Args:
         x: [M, H] float32/float16/bfloat16 (float path) or int8 (quant path), rows grouped by
             expert (expert 0's rows first).
-        expert_tokens: int64 tensor [E], 1 <= E <= 256: rows per expert (each >= 0, sum <= M), or
-            with tokens_index_flag=True inclusive cumulative ends (non-decreasing, last <= M).
-            Experts with no rows are skipped; rows past the last expert's (a padded batch) are
-            zero in y and cost nothing. Counts that do not fit M rows raise RuntimeError before
-            anything is written.
+        expert_tokens: int64 tensor [E], 1 <= E <= 256: rows per expert (each >= 0, sum == M), or
+            with tokens_index_flag=True inclusive cumulative ends (non-decreasing, last == M).
+            Experts with no rows are skipped. Counts that do not cover the M rows exactly raise
+            RuntimeError before anything is written, unless padded.
         weight1: [E, H, F]; weight2: [E, F, H]; bias1: [E, F] or None; bias2: [E, H] or None.
             Float path: all of x's dtype. Quant path: int8 weights, int32 biases.
         scale, offset: [E] float32; deq_scale1: [E, F], deq_scale2: [E, H] uint64 (float32 bit
@@ -257,6 +258,9 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         activation: "fastgelu" (x * sigmoid(1.702 x)), "gelu" (tanh form), "relu" or "silu".
         output_dtype: quant path only: "float16" (default), "bfloat16" or "float32", or the
             MindSpore dtype (ms.float32). On the float path only None or x's own dtype.
+        padded: False (default, SPEC §4): the counts cover every row. True: they may cover fewer
+            (sum <= M, last end <= M; a padded batch, as expert parallelism's exchange makes):
+            the rows past the last expert's are zero in y and cost nothing on CPU.
 
     Returns:
         y [M, H]: x's dtype (float path) or output_dtype (quant path). The float path is
@@ -272,4 +276,4 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
     """
     return MOE_FFN(x, expert_tokens, weight1, bias1, weight2, bias2, scale, offset, deq_scale1,
                    deq_scale2, activation=activation, tokens_index_flag=tokens_index_flag,
-                   output_dtype="" if output_dtype is None else output_dtype)
+                   output_dtype="" if output_dtype is None else output_dtype, padded=padded)

@@ -97,6 +97,29 @@ def top_k_lowest_index(values, k):
     return top, (seen <= r).astype(ms.int32).sum(-1).astype(ms.int32)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def nan_first(values):
+    """values in the router's selection order with no NaN left, for TopK and equality tests: NaN
+    ranks above every number (the kernels' order, as torch.topk), so NaN -> +inf, +inf -> the
+    largest float32 and -inf -> the lowest (above the -inf of dropped groups). Only scores of
+    exactly +-3.4028235e38 then tie with +-inf."""
+    inf = ops.isinf(values)
+    big = ops.where(values > 0, ops.full_like(values, _F32_MAX), ops.full_like(values, -_F32_MAX))
+    return ops.where(ops.isnan(values), ops.full_like(values, float("inf")),
+                     ops.where(inf, big, values))
+
+
+def _softmax(logits):
+    """softmax over the last axis, NaN for a whole row whose max - logit is undefined (a NaN or
+    +inf logit, or every logit -inf), as the kernel and the golden model compute it; MindSpore's
+    softmax would leave NaN in one place only."""
+    undefined = ops.logical_or(ops.isnan(logits), logits == float("inf")).any(-1, keep_dims=True)
+    undefined = ops.logical_or(undefined, (logits == float("-inf")).all(-1, keep_dims=True))
+    return ops.where(undefined, ops.full_like(logits, float("nan")), ops.softmax(logits, -1))
+
+
 def _router_composed(a):
     """moe_gating_top_k from MindSpore ops (SPEC §1 step by step)."""
     k, k_group, groups = a["k"], a["k_group"], a["group_count"]
@@ -105,21 +128,24 @@ def _router_composed(a):
 
     def route(x, bias):
         logits = x.astype(ms.float32)
-        x_norm = ops.sigmoid(logits) if sigmoid else ops.softmax(logits, -1)
+        x_norm = ops.sigmoid(logits) if sigmoid else _softmax(logits)
         choice = x_norm if bias is None else x_norm + bias.astype(ms.float32)
+        ranked = nan_first(choice)
         if groups > 1:
             n = x.shape[-1]
-            grouped = choice.reshape(-1, groups, n // groups)
+            grouped = ranked.reshape(-1, groups, n // groups)
             if mode == 0:
                 score = grouped.max(axis=-1)
-            else:
-                score = ops.topk(grouped, 2)[0].sum(-1)
+            else:  # the two largest as they are: a NaN among them makes the group's score NaN
+                _, best = ops.topk(grouped, 2)
+                raw = ops.gather_elements(choice.reshape(grouped.shape), 2, best)
+                score = nan_first(raw.sum(-1))
             _, kept = top_k_lowest_index(score, k_group)                     # [M, k_group]
             ids = ops.arange(groups, dtype=ms.int32).reshape(1, 1, groups)
             keep = (kept.expand_dims(-1) == ids).astype(ms.int32).sum(1) > 0   # [M, groups]
             # dropped groups get -inf (never 0): their experts can never win
-            choice = ops.where(keep.expand_dims(-1), grouped, float("-inf")).reshape(-1, n)
-        _, idx = top_k_lowest_index(choice, k)
+            ranked = ops.where(keep.expand_dims(-1), grouped, float("-inf")).reshape(-1, n)
+        _, idx = top_k_lowest_index(ranked, k)
         w = ops.gather_elements(x_norm, 1, idx)
         if sigmoid or renorm:
             w = w / (w.sum(-1, keepdims=True) + eps)

@@ -137,21 +137,24 @@ def _builtin(a):
     group (a padded batch) are masked, as the kernel needs every row in a group."""
     from mindspore.ops.auto_generate import gmm_v2_op  # pylint: disable=import-outside-toplevel
 
-    cumulative = a["cumulative"]
+    cumulative, padded = a["cumulative"], a["padded"]
     list_type = 0 if cumulative else 1  # 0: cumulative ends, 1: counts
     transpose_x, transpose_weight = a["transpose_x"], a["transpose_weight"]
 
     def f(x, weight, group_list, bias):
-        group_list, covered = cover_every_row(group_list, x.shape[0], cumulative)
+        covered = None
+        if padded:
+            group_list, covered = cover_every_row(group_list, x.shape[0], cumulative)
         if transpose_x:
-            x = x * covered.astype(x.dtype)
+            if padded:
+                x = x * covered.astype(x.dtype)
             return gmm_v2_op([x.T], [weight], None, group_list, 2, list_type)[0]
         if transpose_weight:
             weight = weight.transpose(0, 2, 1)
         if bias is not None:
             bias = [bias.astype(ms.float32) if x.dtype == ms.bfloat16 else bias]
         y = gmm_v2_op([x], [weight], bias, group_list, 0, list_type)[0]
-        return y * covered.astype(y.dtype)
+        return y if covered is None else y * covered.astype(y.dtype)
 
     return f
 
@@ -167,8 +170,10 @@ def _builtin_grad(a):
     list_type = 0 if c else 1
 
     def bprop(x, weight, groups, bias, out, dout):
-        every_row, covered = cover_every_row(groups, x.shape[0], c)
-        dy = dout * covered.astype(dout.dtype)  # the padded rows' outputs are constant zeros
+        every_row, dy = groups, dout
+        if a["padded"]:
+            every_row, covered = cover_every_row(groups, x.shape[0], c)
+            dy = dout * covered.astype(dout.dtype)  # the padded rows' outputs are constant zeros
         grads = gmm_v2_backward_op([dy], [x], [weight], every_row, list_type)  # (dx, dweight)
         dbias = None if bias is None else group_sum(dout, groups, c)
         return grads[0], grads[1], ops.zeros_like(groups), dbias
@@ -182,7 +187,7 @@ GROUPED_MATMUL = OpDef(
     optional=("bias",),
     outputs=("y",),
     attrs=(Attr("transpose_x", bool, False), Attr("transpose_weight", bool, False),
-           Attr("cumulative", bool, False)),
+           Attr("cumulative", bool, False), Attr("padded", bool, True)),
     check_attrs=_check_attrs,
     infer=_infer,
     infer_dtype=_infer_dtype,
@@ -196,7 +201,7 @@ GROUPED_MATMUL = OpDef(
 
 
 def grouped_matmul(x, weight, group_list, bias=None, transpose_x=False, transpose_weight=False,
-                   cumulative=False):
+                   cumulative=False, padded=True):
     """One matrix product per group of consecutive rows.
 
     Args:
@@ -208,6 +213,9 @@ def grouped_matmul(x, weight, group_list, bias=None, transpose_x=False, transpos
             not recompile when the counts change. Rows past the last group (a padded batch)
             belong to no group: zero output rows, no work. Counts that do not fit M rows raise
             RuntimeError before anything is written.
+        padded: True (default, as Ascend's grouped matmul): the groups may cover fewer than M
+            rows. False: they must cover all M rows (sum == M, last end == M), else RuntimeError;
+            on Ascend this also saves masking the output.
         bias: [G, N] or None, added to the rows of its group (not with transpose_x).
         transpose_x: out[g] = x[rows g]^T @ weight[rows g] -> [G, K, N] (a weight gradient;
             an empty group gives zeros).
@@ -218,4 +226,4 @@ def grouped_matmul(x, weight, group_list, bias=None, transpose_x=False, transpos
         Differentiable with respect to x, weight and bias.
     """
     return GROUPED_MATMUL(x, weight, group_list, bias, transpose_x=transpose_x,
-                          transpose_weight=transpose_weight, cumulative=cumulative)
+                          transpose_weight=transpose_weight, cumulative=cumulative, padded=padded)

@@ -211,7 +211,7 @@ def _unpermute_composed(a):
     def unpermute(permuted, sorted_index, probs):
         k = probs.shape[1] if probs is not None else (top_k or 1)
         rows = ops.gather(permuted.astype(ms.float32), sorted_index, 0)
-        rows = rows.reshape(-1, k, permuted.shape[1])
+        rows = rows.reshape(permuted.shape[0] // k, k, permuted.shape[1])  # H may be 0
         if probs is not None:
             rows = rows * probs.astype(ms.float32).expand_dims(-1)
         return rows.sum(1).astype(permuted.dtype)

@@ -78,11 +78,12 @@ def _infer_forward_dtype(a, x, weight, group_index):
 
 
 def _row_mask(rows_shape, group_index):
-    """[.., 1] float32: 1 for the first min(sum(group_index), T) rows, 0 after."""
+    """[.., 1] float32: 1 for the first min(sum(group_index), T) rows, 0 after. Each count is
+    clamped to T before the sum, so counts near 2**63 cannot wrap it (exact while G*T < 2**63)."""
     rows = 1
     for d in rows_shape:
         rows *= d
-    trunc = ops.minimum(group_index.sum(), rows)
+    trunc = ops.minimum(ops.minimum(group_index, rows).sum(), rows)
     keep = (ops.arange(rows, dtype=ms.int64) < trunc).astype(ms.float32)
     return keep.reshape(tuple(rows_shape) + (1,))
 

@@ -23,7 +23,8 @@ class ExpertDispatcher(nn.Cell):
       (within an expert: by source rank, then token). counts int64 [E/n] are the rows of each
       local expert. With the AllReduce exchange rows is [n*T*K, H]: the rows past sum(counts)
       are zero padding, which the grouped kernels skip, so only experts that received rows do
-      work. route: what combine needs.
+      work (`padded` is then True: the experts must be told, e.g. MoeFFN(padded=True)).
+      route: what combine needs.
     `combine(y, weights [T, K] float32, route)` -> [T, H]: y (the experts' output, rows as
       dispatched) goes back to the ranks the rows came from; each token's K rows are summed,
       weighted by its routing weights.
@@ -43,6 +44,8 @@ class ExpertDispatcher(nn.Cell):
             self.exchange = AlltoAllVExchange(ep, hidden_size)
         else:
             self.exchange = AllReduceExchange(ep)
+        # whether dispatch pads the rows past the local experts' (static shapes)
+        self.padded = ep.exchange != "alltoallv"
         self.widen_bfloat16 = ms.get_context("device_target") != "Ascend"
 
     def dispatch(self, x, expert_idx):
