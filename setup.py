@@ -11,7 +11,9 @@ so a cross compiler (CXX=aarch64-linux-gnu-g++) builds for its target.
 
 Build overrides (environment): MS_MOE_OPS_MARCH sets the -march of the generic path (for example
 `native`); MS_MOE_OPS_BLAS_DIR is the scipy_openblas32 package directory to build against (for a
-cross build; default: the installed package).
+cross build; default: the installed package); MS_MOE_OPS_SANITIZE=address,undefined builds with
+those sanitizers, for tools/fuzz_kernels.py (into a build directory of its own: such a library
+only loads into a process that has the sanitizer runtime).
 """
 import glob
 import os
@@ -101,6 +103,12 @@ class BuildKernels(build_ext):
 inc, libdir, lib = _blas()
 # custom_aot/dispatch/*.cc (the choice of path) is compiled once, with the baseline flags.
 DISPATCH = sorted(glob.glob("custom_aot/dispatch/*.cc"))
+# a checking build (tools/fuzz_kernels.py): every bad access or undefined operation aborts
+SANITIZE = os.environ.get("MS_MOE_OPS_SANITIZE", "")
+# (at -O1, as the sanitizers recommend: a third of the -O3 build time; the instruction-set paths
+# and their intrinsics are the same code)
+SANITIZE_FLAGS = [f"-fsanitize={SANITIZE}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+                  "-g", "-O1"] if SANITIZE else []
 kernels = Extension(
     "ms_moe_ops._kernels",
     sources=sorted(glob.glob("custom_aot/*.cc")),
@@ -111,11 +119,12 @@ kernels = Extension(
     # MindSpore's wheel uses the pre-C++11 std::string ABI: the AotExtra attribute getters crash
     # without -D_GLIBCXX_USE_CXX11_ABI=0.
     extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0",
-                        "-fvisibility=hidden", "-Wall", "-Wno-unused-function"],
+                        "-fvisibility=hidden", "-Wall", "-Wno-unused-function"] + SANITIZE_FLAGS,
     # Find the BLAS without help (e.g. when MindSpore loads a MINDIR with these kernels): next to
     # an installed package ($ORIGIN/../scipy_openblas32/lib), or where it was at build time
     # (editable installs).
-    extra_link_args=["-fopenmp", "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib", f"-Wl,-rpath,{libdir}"],
+    extra_link_args=["-fopenmp", "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib", f"-Wl,-rpath,{libdir}"]
+    + SANITIZE_FLAGS[:1],
     language="c++",
 )
 

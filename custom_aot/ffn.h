@@ -69,7 +69,7 @@ inline bool padded_attr(Extra *extra, bool otherwise) {
 // Zeroes rows [from, m) of a row-major [m, n] output: the rows past the last group.
 template <typename T>
 void zero_tail_rows(T *out, int64_t from, int64_t m, int64_t n) {
-  if (from < m) std::memset(static_cast<void *>(out + from * n), 0, sizeof(T) * (m - from) * n);
+  if (from < m && n > 0) std::memset(static_cast<void *>(out + from * n), 0, sizeof(T) * (m - from) * n);
 }
 
 // The same for MoeFFN's expert_tokens: they cover every row unless the call allows a padded

@@ -78,7 +78,7 @@ void fill_rows(float *dst, int64_t rows, int64_t n, const B *bias) {
     if (bias)
       for (int64_t j = 0; j < n; ++j) d[j] = to_f32(bias[j]);
     else
-      std::memset(d, 0, sizeof(float) * n);
+      if (n > 0) std::memset(d, 0, sizeof(float) * n);
   }
 }
 

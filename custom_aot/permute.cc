@@ -75,7 +75,7 @@ void unpermute_backward(const T *permuted, const int32_t *index, const P *probs,
       const int64_t row = index[t * k + s];
       T *d = d_permuted + row * h;
       if (!probs) {
-        std::memcpy(d, g, h * sizeof(T));
+        if (h > 0) std::memcpy(d, g, h * sizeof(T));  // (no rows of data: no pointers either)
         d_probs[t * k + s] = from_f32<P>(0.f);
         continue;
       }

@@ -29,8 +29,19 @@ def moe_gating_top_k(x, k, bias=None, k_group=1, group_count=1, group_select_mod
                      norm_type=1, out_flag=True, routed_scaling_factor=1.0, eps=1e-20):
     """-> (y [M, k] float64, expert_idx [M, k] int32, x_norm [M, N] float64)."""
     x = np.asarray(x, np.float64)
-    m, n = x.shape
     x_norm = _sigmoid(x) if norm_type == 1 else _softmax(x)
+    y, idx = gating_from_scores(x_norm, k, bias, k_group, group_count, group_select_mode, renorm,
+                                norm_type, routed_scaling_factor, eps)
+    return y, idx, x_norm
+
+
+def gating_from_scores(x_norm, k, bias=None, k_group=1, group_count=1, group_select_mode=0,
+                       renorm=0, norm_type=1, routed_scaling_factor=1.0, eps=1e-20):
+    """Steps 2-7 of moe_gating_top_k from given scores x_norm [M, N]: -> (y [M, k] float64,
+    expert_idx [M, k] int32). The selection is exact for float32 scores, so a kernel's own
+    x_norm must lead to its own expert_idx."""
+    x_norm = np.asarray(x_norm, np.float64)
+    m, n = x_norm.shape
     # selection scores are what the kernel sees: float32 scores plus bias
     choice = x_norm.astype(np.float32).astype(np.float64)
     if bias is not None:
@@ -54,7 +65,7 @@ def moe_gating_top_k(x, k, bias=None, k_group=1, group_count=1, group_select_mod
         if norm_type == 1 or renorm == 1:
             w = w / (w.sum() + eps)
         y[i] = w * routed_scaling_factor
-    return y, idx, x_norm
+    return y, idx
 
 
 def _renorm_grad(w, g, renorm, eps):

@@ -117,10 +117,13 @@ def _ffn_case(rng, dtype, counts=(3, 0, 4), padding=0):
 
 def _moe_ffn(rng, dtype, activation="fastgelu", cumulative=False, padding=0):
     v = _ffn_case(rng, dtype, padding=padding)
-    golden = ref.moe_ffn(v[0], v[1], v[2], v[4], v[3], v[5], activation=activation)
+    golden = ref.moe_ffn(v[0], v[1], v[2], v[4], v[3], v[5], activation=activation,
+                         padded=padding > 0)
     if cumulative:
         v[1] = np.cumsum(v[1])
     attrs = dict(activation=activation, tokens_index_flag=cumulative)
+    if padding:
+        attrs["padded"] = True
     return ffn.MOE_FFN, v, attrs, (golden,)
 
 

@@ -142,14 +142,14 @@ def test_gradients_with_tokens_index_flag_and_no_bias(mode, rng):
 
 
 def test_rows_past_the_experts(mode, rng):
-    """Counts covering 5 of 7 rows (a padded batch): the last rows are zero in y, get a zero
-    gradient and are never read (NaN there changes nothing)."""
+    """Counts covering 5 of 7 rows (a padded batch, padded=True): the last rows are zero in y,
+    get a zero gradient and are never read (NaN there changes nothing)."""
     v, tokens = _case(rng, counts=(2, 0, 3), h=3, f=4)
     v["x"] = np.concatenate([v["x"], np.full((2, 3), np.nan)])
-    y = numpy(_call(v, tokens, mode=mode))
+    y = numpy(_call(v, tokens, mode=mode, padded=True))
     assert not y[5:].any()
-    assert_close(y, _golden(v, tokens))
-    dx = numpy(_check_gradients(v, tokens, rng.standard_normal((7, 3)), mode)[0])
+    assert_close(y, _golden(v, tokens, padded=True))
+    dx = numpy(_check_gradients(v, tokens, rng.standard_normal((7, 3)), mode, padded=True)[0])
     assert not dx[5:].any()
 
 

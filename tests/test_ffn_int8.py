@@ -223,11 +223,14 @@ def test_bad_expert_tokens(tokens, flag, rng):
 
 
 def test_rows_past_the_experts(rng):
-    """Counts covering 18 of 21 rows (a padded batch): the same first rows, zero last rows."""
+    """Counts covering 18 of 21 rows (a padded batch, padded=True): the same first rows, zero
+    last rows; refused without padded=True."""
     v = _case(rng)
     padded = dict(v, x=np.concatenate([v["x"], np.full((3, v["x"].shape[1]), 127, np.int8)]))
-    y, y_padded = _as_f32(_call(v)), _as_f32(_call(padded))
+    y, y_padded = _as_f32(_call(v)), _as_f32(_call(padded, padded=True))
     assert np.array_equal(y_padded[:18], y) and not y_padded[18:].any()
+    with pytest.raises(RuntimeError, match="cover 18 of the 21 rows"):
+        _call(padded).asnumpy()
 
 
 def test_gradient_request_raises(mode, rng):

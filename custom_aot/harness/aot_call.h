@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -145,7 +146,9 @@ class Library {
   // Any exported symbol (nullptr when absent), e.g. MsMoeOpsIsaPaths.
   void *symbol(const std::string &name) { return dlsym(handle_, name.c_str()); }
 
-  // Calls `kernel` with args = inputs, then outputs (MindSpore's order); returns its status.
+  // Calls `kernel` with args = inputs, then outputs (MindSpore's order); returns its status: 0,
+  // or 1 when the kernel refused the call (the exported kernels throw std::runtime_error, which
+  // MindSpore catches; here its message is kept for last_error()).
   int call(const std::string &kernel, const std::vector<Tensor *> &args, Attrs &attrs) {
     auto fn = reinterpret_cast<moe::KernelFn *>(symbol(kernel));
     if (!fn) {
@@ -162,12 +165,22 @@ class Library {
       shapes.push_back(t->shape.data());
       dtypes.push_back(t->dtype.c_str());
     }
-    return fn(static_cast<int>(args.size()), params.data(), ndims.data(), shapes.data(),
-              dtypes.data(), nullptr, &attrs);
+    last_error_.clear();
+    try {
+      return fn(static_cast<int>(args.size()), params.data(), ndims.data(), shapes.data(),
+                dtypes.data(), nullptr, &attrs);
+    } catch (const std::exception &e) {
+      last_error_ = e.what();
+      return 1;
+    }
   }
+
+  // The message of the last refused call ("" after a successful one).
+  const std::string &last_error() const { return last_error_; }
 
  private:
   void *handle_;
+  std::string last_error_;
 };
 
 // Deterministic random numbers, the same on every platform (splitmix64). Values are dyadic
