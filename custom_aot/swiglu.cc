@@ -25,7 +25,7 @@ inline Sigmoid sigmoid_pair(float a) {
 // trunc = min(sum(counts), rows); a negative count is a data fault (reported before any write).
 int rows_to_process(const char *op, const Arg &group_index, int64_t rows, int64_t *trunc) {
   *trunc = rows;
-  if (!group_index.present()) return 0;
+  if (!given(group_index)) return 0;  // (given with no group: the sum is 0)
   const int64_t *counts = group_index.as<int64_t>();
   const int64_t g = group_index.numel();
   int64_t sum = 0;

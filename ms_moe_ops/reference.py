@@ -301,7 +301,7 @@ def moe_token_unpermute(permuted, sorted_index, probs=None, top_k=0):
     """-> out [T, H] float64: out[t] = sum_k probs[t,k] * permuted[sorted_index[t*K + k]]."""
     permuted = np.asarray(permuted, np.float64)
     k = probs.shape[1] if probs is not None else (top_k or 1)
-    rows = permuted[sorted_index].reshape(-1, k, permuted.shape[1])
+    rows = permuted[sorted_index].reshape(len(sorted_index) // k, k, permuted.shape[1])
     w = np.ones(rows.shape[:2]) if probs is None else np.asarray(probs, np.float64)
     return (rows * w[..., None]).sum(axis=1)
 
