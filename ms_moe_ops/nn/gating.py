@@ -107,11 +107,11 @@ class GatingTopK(SelfCastingCell):
             routed_scaling_factor=self.routed_scaling_factor)
         if self.gather_unnormalised:
             weights = ops.gather_elements(scores, 1, expert_idx) * self.routed_scaling_factor
-        # (a scatter-add, unlike unsorted_segment_sum, also takes zero tokens)
+        # (a scatter-add, unlike unsorted_segment_sum, also takes zero tokens; TensorScatterAdd,
+        # as the CPU's TensorScatterElements add loses updates to the same expert between threads)
         flat = expert_idx.reshape(-1)
-        counts = ops.tensor_scatter_elements(ops.zeros((self.num_experts,), ms.float32), flat,
-                                             ops.ones_like(flat).astype(ms.float32), axis=0,
-                                             reduction="add")
+        counts = ops.tensor_scatter_add(ops.zeros((self.num_experts,), ms.float32),
+                                        flat.reshape(-1, 1), ops.ones_like(flat).astype(ms.float32))
         counts = ops.stop_gradient(counts)
         load = counts
         if self.count_reducer is not None:

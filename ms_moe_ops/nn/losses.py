@@ -69,10 +69,14 @@ def sequence_aux_loss(probs, expert_idx, num_sequences):
     T = 0."""
     num_experts, k = probs.shape[1], expert_idx.shape[1]
     # each sequence's (token, slot) pairs in one row, counted per expert
+    # (as flat indices s * E + e; TensorScatterAdd, as the CPU's TensorScatterElements add loses
+    # updates to the same element between threads)
     slots = expert_idx.reshape(num_sequences, -1)
-    counts = ops.tensor_scatter_elements(ops.zeros((num_sequences, num_experts), ms.float32),
-                                         slots, ops.ones_like(slots).astype(ms.float32), axis=1,
-                                         reduction="add")
+    flat = (slots + ops.arange(num_sequences, dtype=slots.dtype).reshape(-1, 1) * num_experts)
+    flat = flat.reshape(-1)
+    counts = ops.tensor_scatter_add(ops.zeros((num_sequences * num_experts,), ms.float32),
+                                    flat.reshape(-1, 1), ops.ones_like(flat).astype(ms.float32))
+    counts = counts.reshape(num_sequences, num_experts)
     p_sum = probs.reshape(num_sequences, -1, num_experts).sum(axis=1)
     s = _tokens(probs) / num_sequences
     return (ops.stop_gradient(counts) * p_sum).sum() * num_experts / (k * s * s * num_sequences)

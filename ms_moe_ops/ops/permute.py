@@ -66,8 +66,9 @@ def _permute_bprop(a):
 
 
 def _counts(flat, num_experts):
-    return ops.tensor_scatter_elements(ops.zeros((num_experts,), ms.int64), flat,
-                                       ops.ones(flat.shape, ms.int64), axis=0, reduction="add")
+    # TensorScatterAdd: the CPU's TensorScatterElements add loses updates between threads
+    return ops.tensor_scatter_add(ops.zeros((num_experts,), ms.int64), flat.reshape(-1, 1),
+                                  ops.ones(flat.shape, ms.int64))
 
 
 def _permute_builtin(a):
