@@ -245,38 +245,56 @@ def saturate_int8(v):
     return np.clip(r, -128, 127).astype(np.int8)
 
 
-def moe_ffn_quant(x, expert_tokens, weight1, weight2, bias1, bias2, scale, offset, deq_scale1,
-                  deq_scale2, activation="fastgelu", tokens_index_flag=False, output_dtype=None):
-    """MoeFFN int8 path: exact integer products (int32, wrapping), float32 dequantisation with
-    19-bit dequant scales, round-half-even int8 requantisation. -> y [M, H] rounded to
-    output_dtype (default "float16")."""
-    x = np.asarray(x, np.int8)
-    m, h = x.shape
+def _int32_sum(a, w, b, e):
+    """a @ w (+ b[e]) with exact integer products, wrapped to int32 like the device's sums."""
+    acc = np.asarray(a, np.int64) @ np.asarray(w, np.int64)
+    if b is not None:
+        acc = acc + np.asarray(b, np.int64)[e]
+    return acc.astype(np.uint64).astype(np.uint32).view(np.int32)
+
+
+def _quant_rows(x, expert_tokens, tokens_index_flag):
+    """[(expert, rows)] of the experts with rows; counts that do not fit raise ValueError."""
+    m = np.shape(x)[0]
     tokens = np.asarray(expert_tokens, np.int64)
     ends = tokens if tokens_index_flag else np.cumsum(tokens)
     starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
     if len(tokens) and ((np.diff(np.concatenate([[0], ends])) < 0).any() or ends[-1] > m):
         raise ValueError("expert_tokens do not fit the rows of x")
-    dq1, dq2 = _deq_scale_values(deq_scale1), _deq_scale_values(deq_scale2)
-    y = np.zeros((m, h), np.float32)
-    for e in range(len(tokens)):
-        rows = slice(starts[e], ends[e])
-        if starts[e] == ends[e]:
-            continue
+    return [(e, slice(starts[e], ends[e])) for e in range(len(tokens)) if starts[e] < ends[e]]
 
-        def int32_sum(a, w, b):
-            acc = a.astype(np.int64) @ np.asarray(w, np.int64)
-            if b is not None:
-                acc = acc + np.asarray(b, np.int64)[e]
-            return acc.astype(np.uint64).astype(np.uint32).view(np.int32)  # int32 wrap-around
 
-        hid = int32_sum(x[rows], weight1[e], bias1).astype(np.float32) * dq1[e]
-        act = _quant_activation(activation, hid).astype(np.float64)
+def moe_ffn_quant_hidden(x, expert_tokens, weight1, bias1, scale, offset, deq_scale1,
+                         activation="fastgelu", tokens_index_flag=False):
+    """The quant path's first half: (h, pre), both [M, F] float32 and zero on the rows past the
+    experts. h = float(int32(x @ weight1[e]) + bias1[e]) * deq_scale1[e] (19-bit scales);
+    pre = act(h) * scale[e] + offset[e] rounded once to float32, which requantises to
+    saturate_int8(pre)."""
+    x = np.asarray(x, np.int8)
+    f = np.shape(weight1)[2]
+    dq1 = _deq_scale_values(deq_scale1)
+    h = np.zeros((x.shape[0], f), np.float32)
+    pre = np.zeros((x.shape[0], f), np.float32)
+    for e, rows in _quant_rows(x, expert_tokens, tokens_index_flag):
+        h[rows] = _int32_sum(x[rows], weight1[e], bias1, e).astype(np.float32) * dq1[e]
+        act = _quant_activation(activation, h[rows]).astype(np.float64)
         off = 0.0 if offset is None else float(np.float32(np.asarray(offset)[e]))
         # a * scale + offset with one rounding to float32 (the kernel's fused multiply-add)
-        pre = (act * float(np.float32(np.asarray(scale)[e])) + off).astype(np.float32)
-        q = saturate_int8(pre)
-        y[rows] = int32_sum(q, weight2[e], bias2).astype(np.float32) * dq2[e]
+        pre[rows] = (act * float(np.float32(np.asarray(scale)[e])) + off).astype(np.float32)
+    return h, pre
+
+
+def moe_ffn_quant(x, expert_tokens, weight1, weight2, bias1, bias2, scale, offset, deq_scale1,
+                  deq_scale2, activation="fastgelu", tokens_index_flag=False, output_dtype=None):
+    """MoeFFN int8 path: exact integer products (int32, wrapping), float32 dequantisation with
+    19-bit dequant scales, round-half-even int8 requantisation. -> y [M, H] rounded to
+    output_dtype (default "float16")."""
+    q = saturate_int8(moe_ffn_quant_hidden(x, expert_tokens, weight1, bias1, scale, offset,
+                                           deq_scale1, activation, tokens_index_flag)[1])
+    dq2 = _deq_scale_values(deq_scale2)
+    y = np.zeros((np.shape(x)[0], np.shape(weight2)[2]), np.float32)
+    for e, rows in _quant_rows(x, expert_tokens, tokens_index_flag):
+        y[rows] = _int32_sum(q[rows], weight2[e], bias2, e).astype(np.float32) * dq2[e]
     return round_to_dtype(y, output_dtype or "float16")
 
 
