@@ -298,11 +298,17 @@ Case gating_backward(Gen &g) {
   return c;
 }
 
-// x [T, 2H] or [B, S, 2H] and the leading shape
-std::vector<int64_t> swiglu_rows(Gen &g, int64_t *h) {
+// x [T, 2H] or [B, S, 2H]: the leading shape, H and the row count
+std::vector<int64_t> swiglu_rows(Gen &g, int64_t *h, int64_t *rows) {
   *h = g.chance(10) ? g.pick({512, 513, 1040}) : g.size(0, 12);
-  if (g.chance(30)) return {g.size(0, 3), g.size(0, 4)};
-  return {*h > 500 ? g.size(0, 3) : g.size(0, 20)};
+  std::vector<int64_t> lead;
+  if (g.chance(30))
+    lead = {g.size(0, 3), g.size(0, 4)};
+  else
+    lead = {*h > 500 ? g.size(0, 3) : g.size(0, 20)};
+  *rows = 1;
+  for (int64_t d : lead) *rows *= d;
+  return lead;
 }
 
 std::vector<int64_t> with_last(std::vector<int64_t> lead, int64_t last) {
@@ -329,11 +335,9 @@ void swiglu_break_counts(Gen &g, Case &c) {
 Case swiglu(Gen &g) {
   Case c;
   c.kernel = "SwigluGroup";
-  int64_t h;
-  const std::vector<int64_t> lead = swiglu_rows(g, &h);
+  int64_t h, rows;
+  const std::vector<int64_t> lead = swiglu_rows(g, &h, &rows);
   const char *dt = g.pick(kFloats, 3);
-  int64_t rows = 1;
-  for (int64_t d : lead) rows *= d;
   c.inputs = {{"x", g.floats(dt, with_last(lead, 2 * h), 6.0)},
               {"weight", g.chance(50) ? g.floats("float32", with_last(lead, 1)) : Tensor()},
               {"group_index", g.chance(50) ? group_counts(g, rows) : Tensor()}};
@@ -355,11 +359,9 @@ Case swiglu(Gen &g) {
 Case swiglu_backward(Gen &g) {
   Case c;
   c.kernel = "SwigluGroupQuantGrad";
-  int64_t h;
-  const std::vector<int64_t> lead = swiglu_rows(g, &h);
+  int64_t h, rows;
+  const std::vector<int64_t> lead = swiglu_rows(g, &h, &rows);
   const char *dt = g.pick(kFloats, 3);
-  int64_t rows = 1;
-  for (int64_t d : lead) rows *= d;
   const bool weighted = g.chance(50);
   c.inputs = {{"grad_y", g.floats(dt, with_last(lead, h))},
               {"x", g.floats(dt, with_last(lead, 2 * h), 6.0)},
