@@ -41,6 +41,11 @@ MUTATIONS = [
          original="row[j] = -xr[j] * dot;", replacement="row[j] = 0.f;",
          tests=["tests/test_gating.py"],
          what="softmax backward: experts not chosen get no gradient"),
+    dict(id="gating-nan-key-by-sign", file="custom_aot/gating.cc",
+         original="return v != v ? kNanKey : b ^ ((b >> 31) & 0x7fffffff);",
+         replacement="return b ^ ((b >> 31) & 0x7fffffff);",
+         tests=["tests/test_router_nan.py::test_sigmoid_nan_logit_is_chosen_first"],
+         what="a NaN ranks by its sign bit: a negative NaN is chosen last"),
     # -- float16/bfloat16 conversions (custom_aot/common.h) --------------------------------------
     dict(id="bf16-scalar-truncates", file="custom_aot/common.h",
          original="u += 0x7fffu + ((u >> 16) & 1u);", replacement="",
@@ -73,6 +78,12 @@ MUTATIONS = [
          original="if (t >= trunc) {", replacement="if (t > trunc) {",
          tests=["tests/test_swiglu.py::test_group_index_truncates_rows"],
          what="forward: the first row past the groups is not zeroed"),
+    dict(id="swiglu-count-sum-wraps", file="custom_aot/swiglu.cc",
+         original="sum = counts[i] >= rows - sum ? rows : sum + counts[i];",
+         replacement="sum = std::min(static_cast<int64_t>(static_cast<uint64_t>(sum) + "
+                     "static_cast<uint64_t>(counts[i])), rows);",
+         tests=["tests/test_kernel_contract.py::test_swiglu_counts_near_int64_max_keep_every_row"],
+         what="group counts near 2**63 wrap their sum negative: every row truncated"),
     # -- MoeFFN float path (custom_aot/ffn.cc, ffn.h) ---------------------------------------------
     dict(id="ffn-gelu-cubic-coefficient", file="custom_aot/ffn.h",
          original="0.044715f * x * x * x", replacement="0.044715f * x * x",
