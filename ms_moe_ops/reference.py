@@ -1,4 +1,5 @@
-"""numpy golden models of every operator (SPEC.md), written for clarity, not speed.
+"""numpy golden models of every operator (the semantics the README documents), written for
+clarity, not speed.
 
 Everything is computed in float64 from the inputs; callers round to the output dtype. Tests and
 users compare the kernels against these.
