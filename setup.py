@@ -19,6 +19,7 @@ import glob
 import os
 import shutil
 import subprocess
+import sysconfig
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
@@ -33,6 +34,15 @@ def _blas():
     import scipy_openblas32 as blas
 
     return blas.get_include_dir(), blas.get_lib_dir(), blas.get_library()
+
+
+def _blas_rpath(build_libdir):
+    """Where the kernel library looks for the BLAS at run time, first match wins."""
+    site = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    dirs = ["$ORIGIN/../scipy_openblas32/lib"]
+    dirs += [os.path.join(d, "scipy_openblas32", "lib") for d in sorted(site)]
+    dirs.append(build_libdir)
+    return list(dict.fromkeys(dirs))
 
 
 def isa_paths(machine):
@@ -121,9 +131,10 @@ kernels = Extension(
     extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=0",
                         "-fvisibility=hidden", "-Wall", "-Wno-unused-function"] + SANITIZE_FLAGS,
     # Find the BLAS without help (e.g. when MindSpore loads a MINDIR with these kernels): next to
-    # an installed package ($ORIGIN/../scipy_openblas32/lib), or where it was at build time
-    # (editable installs).
-    extra_link_args=["-fopenmp", "-Wl,-rpath,$ORIGIN/../scipy_openblas32/lib", f"-Wl,-rpath,{libdir}"]
+    # an installed package ($ORIGIN/../scipy_openblas32/lib), in the site-packages of the
+    # environment being installed into (editable installs: pip builds in an isolated environment
+    # that is deleted afterwards, but with the target's interpreter), or where it was at build time.
+    extra_link_args=["-fopenmp"] + [f"-Wl,-rpath,{d}" for d in _blas_rpath(libdir)]
     + SANITIZE_FLAGS[:1],
     language="c++",
 )
