@@ -2,11 +2,14 @@
 (nothing preloaded: the kernel library finds its BLAS by itself), with the exporting process's
 results."""
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
+import pytest
 import mindspore as ms
 from mindspore import Tensor, nn
 
@@ -65,3 +68,23 @@ def test_mindir_runs_in_a_fresh_process(tmp_path, rng):
     """, tmp_path)
     np.testing.assert_array_equal(np.load(tmp_path / "y_plain.npy"), expected)
     np.testing.assert_array_equal(np.load(tmp_path / "y_imported.npy"), expected)
+
+
+@cpu_only("reads the CPU kernel library")
+def test_kernel_library_names_this_environments_blas():
+    """The library's run path reaches the BLAS of the environment it runs in, not only the one
+    it was built against: pip builds an editable install in an isolated environment that it
+    deletes afterwards (a MINDIR then failed to load from a clean clone)."""
+    import scipy_openblas32
+    from ms_moe_ops.ops._impls import kernel_library
+
+    library = kernel_library()
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    dynamic = subprocess.run([readelf, "-d", library], capture_output=True, text=True,
+                             check=True).stdout
+    runpath = re.search(r"R(?:UN)?PATH\)\s+Library r(?:un)?path: \[(.*)\]", dynamic).group(1)
+    origin = os.path.dirname(library)
+    dirs = {os.path.realpath(d.replace("$ORIGIN", origin)) for d in runpath.split(":")}
+    assert os.path.realpath(scipy_openblas32.get_lib_dir()) in dirs, runpath
