@@ -1,7 +1,8 @@
 // MoeFFN (SPEC §4): y[rows e] = act(x[rows e] @ W1[e] + b1[e]) @ W2[e] + b2[e] for every expert e.
 // The float path lives here (the int8 path in ffn_int8.cc); the activation's backward too.
-// Both products of an expert go through the BLAS; bias1 and the activation are one pass over
-// the hidden block, bias2 is added while the output is written.
+// A block of one expert's rows goes through both BLAS products in one thread (gemm.h's tiles),
+// bias1 and the activation in one pass over the hidden block, bias2 added as the output is
+// written.
 #include <algorithm>
 
 #include "ffn.h"
@@ -12,12 +13,8 @@ inline namespace MOE_ISA_NS {
 namespace {
 
 constexpr const char *kOp = "moe_ffn";
-// Rows of an expert per block: bounds the float32 hidden buffer to kHiddenRows x F.
-constexpr int64_t kHiddenRows = 1024;
-
 template <typename B, typename Fn>
 void bias_act_rows(float *h, int64_t rows, int64_t f, const B *bias, Fn fn) {
-#pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < rows; ++i) {
     float *r = h + i * f;
     if (bias)
@@ -82,29 +79,27 @@ int moe_ffn_float(const Args &args, Extra *extra) {
   const T *xs = x.as<T>(), *w1s = w1.as<T>(), *w2s = w2.as<T>();
   const T *b1s = b1.present() ? b1.as<T>() : nullptr, *b2s = b2.present() ? b2.as<T>() : nullptr;
   T *ys = y.as<T>();
-  std::vector<float> w1buf, w2buf, xbuf, hidden(std::min(m, kHiddenRows) * f), ybuf;
-  for (int64_t ex = 0; ex < e; ++ex) {
-    const int64_t rows = off[ex + 1] - off[ex];
-    if (rows == 0) continue;  // an expert without tokens: nothing to read, nothing to write
-    const float *w1f = as_f32(w1s + ex * h * f, h * f, w1buf);
-    const float *w2f = as_f32(w2s + ex * f * h, f * h, w2buf);
-    const T *b1e = b1s ? b1s + ex * f : nullptr, *b2e = b2s ? b2s + ex * h : nullptr;
-    for (int64_t r0 = 0; r0 < rows; r0 += kHiddenRows) {
-      const int64_t r = std::min(kHiddenRows, rows - r0), row = off[ex] + r0;
-      const float *xf = as_f32(xs + row * h, r * h, xbuf);
-      sgemm(false, false, r, f, h, xf, h, w1f, f, 0.f, hidden.data(), f);
-      bias_activate(hidden.data(), r, f, b1e, act);
-      T *yr = ys + row * h;
-      if constexpr (std::is_same_v<T, float>) {
-        if (b2e) fill_rows(yr, r, h, b2e);  // bias first, the BLAS adds the product
-        sgemm(false, false, r, h, f, hidden.data(), f, w2f, h, b2e ? 1.f : 0.f, yr, h);
-      } else {
-        ybuf.resize(r * h);
-        sgemm(false, false, r, h, f, hidden.data(), f, w2f, h, 0.f, ybuf.data(), h);
-        store_rows(ybuf.data(), r, h, b2e, yr);
-      }
+  // a tile is a block of one expert's rows through both products: the hidden block stays in the
+  // thread's cache
+  for_each_tile(row_tiles(off, 1), [&](const Tile &t) {
+    thread_local std::vector<float> w1buf, w2buf, xbuf, hidden, ybuf;
+    const float *w1f = as_f32(w1s + t.g * h * f, h, f, f, w1buf);
+    const float *w2f = as_f32(w2s + t.g * f * h, f, h, h, w2buf);
+    const T *b1e = b1s ? b1s + t.g * f : nullptr, *b2e = b2s ? b2s + t.g * h : nullptr;
+    const float *xf = as_f32(xs + t.r0 * h, t.r, h, h, xbuf);
+    hidden.resize(t.r * f);
+    sgemm(false, false, t.r, f, h, xf, h, w1f, f, 0.f, hidden.data(), f);
+    bias_activate(hidden.data(), t.r, f, b1e, act);
+    T *yr = ys + t.r0 * h;
+    if constexpr (std::is_same_v<T, float>) {
+      if (b2e) fill_rows(yr, t.r, h, b2e, h);  // bias first, the BLAS adds the product
+      sgemm(false, false, t.r, h, f, hidden.data(), f, w2f, h, b2e ? 1.f : 0.f, yr, h);
+    } else {
+      ybuf.resize(t.r * h);
+      sgemm(false, false, t.r, h, f, hidden.data(), f, w2f, h, 0.f, ybuf.data(), h);
+      store_rows(ybuf.data(), t.r, h, b2e, yr, h);
     }
-  }
+  });
   zero_tail_rows(ys, off[e], m, h);
   return 0;
 }

@@ -1,11 +1,18 @@
-// Matrix products for the grouped kernels (grouped_matmul, MoeFFN): the BLAS for every product,
-// float32 views of float16/bfloat16 blocks, and the limits of the BLAS's 32-bit sizes.
+// Matrix products for the grouped kernels (grouped_matmul, MoeFFN): one thread pool for the whole
+// kernel, float32 views of float16/bfloat16 blocks, and the limits of the BLAS's 32-bit sizes.
+//
+// Threads: a grouped product is cut into tiles (a block of one group's rows, or of its output
+// columns) whose bounds depend on the shapes only; the kernel's OpenMP threads take the tiles
+// and each calls the BLAS single-threaded. One pool of threads then does all the work (the BLAS's
+// own threads never compete with OpenMP's), and every output element is computed by the same
+// call whatever the thread count: results are bit-identical from 1 to N threads.
 #pragma once
 
 #include <cblas.h>
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -17,8 +24,8 @@ inline namespace MOE_ISA_NS {
 // Rows of a float16/bfloat16 operand converted per block; bounds the float32 workspace.
 constexpr int64_t kRowBlock = 512;
 
-// c[m, n] = op(a) @ op(b) + beta * c, row-major float32 (lda/ldb/ldc: row strides).
-// OpenBLAS splits the output between its threads, never the k sum: results are deterministic.
+// c[m, n] = op(a) @ op(b) + beta * c, row-major float32 (lda/ldb/ldc: row strides), in the
+// calling thread.
 inline void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float *a,
                   int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
   if (m == 0 || n == 0) return;
@@ -39,42 +46,87 @@ inline bool blas_sizes_ok(std::initializer_list<int64_t> sizes) {
   return true;
 }
 
-// A float32 view of `count` contiguous elements: the data itself for float32, otherwise a
-// converted copy in buf (row-parallel, static schedule).
-template <typename T>
-const float *as_f32(const T *src, int64_t count, std::vector<float> &buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    if ((int64_t)buf.size() < count) buf.resize(count);
-    float *dst = buf.data();
-    constexpr int64_t kChunk = 4096;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < count; i += kChunk) load_f32(src + i, dst + i, std::min(kChunk, count - i));
-    return dst;
-  }
+// -- tiles ----------------------------------------------------------------------------------------
+
+// One unit of work: rows [r0, r0 + r) and columns [c0, c0 + c) of group g's product (rows are
+// absolute row numbers; a transposed-x product cuts its output rows the same way).
+struct Tile {
+  int64_t g, r0, r, c0, c;
+};
+
+// Rows per tile for `total` rows: large enough that the BLAS's packing of the other operand is
+// paid back (it is packed once per tile), small enough for 16 or more tiles to share out.
+inline int64_t tile_rows(int64_t total) {
+  const int64_t r = (total / 16 + 15) / 16 * 16;
+  return std::min<int64_t>(512, std::max<int64_t>(64, r));
 }
 
-// dst[r, n] = src[r, n] (+ bias[n]) rounded to T; rows in parallel.
+// Columns per tile: every column, unless there are too few rows to share out.
+inline int64_t tile_cols(int64_t total_rows, int64_t n) {
+  if (total_rows >= 256 || n <= 128) return n;
+  return std::max<int64_t>(64, (n / 4 + 15) / 16 * 16);
+}
+
+// Tiles covering rows [off[g], off[g + 1]) x [0, n) of every group g (empty groups: none).
+inline std::vector<Tile> row_tiles(const std::vector<int64_t> &off, int64_t n) {
+  const int64_t groups = (int64_t)off.size() - 1, total = off[groups] - off[0];
+  const int64_t rows = tile_rows(total), cols = tile_cols(total, n);
+  std::vector<Tile> tiles;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r0 = off[g]; r0 < off[g + 1]; r0 += rows)
+      for (int64_t c0 = 0; c0 < n; c0 += cols)
+        tiles.push_back({g, r0, std::min(rows, off[g + 1] - r0), c0, std::min(cols, n - c0)});
+  return tiles;
+}
+
+// The BLAS must not start threads of its own inside the kernel's OpenMP threads (its pthreads
+// build would compete with them, or warn and hang); it is set once to one thread. The library
+// owns this BLAS (scipy-openblas32 is loaded for it alone), so no other caller is affected.
+inline void blas_single_threaded() {
+  if (scipy_openblas_get_num_threads() != 1) scipy_openblas_set_num_threads(1);
+}
+
+// fn(tile) for every tile, shared out between the kernel's threads.
+template <typename Fn>
+void for_each_tile(const std::vector<Tile> &tiles, Fn &&fn) {
+  blas_single_threaded();
+  const int64_t count = (int64_t)tiles.size();
+#pragma omp parallel for schedule(dynamic, 1) if (count > 1)
+  for (int64_t i = 0; i < count; ++i) fn(tiles[i]);
+}
+
+// -- float32 views ------------------------------------------------------------------------------
+
+// rows x cols of a row-major operand (row stride ld) as contiguous float32: the data itself when
+// it is float32 and contiguous, otherwise a converted copy in buf (a per-thread workspace).
+template <typename T>
+const float *as_f32(const T *src, int64_t rows, int64_t cols, int64_t ld, std::vector<float> &buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cols == ld) return src;
+  }
+  if ((int64_t)buf.size() < rows * cols) buf.resize(rows * cols);
+  for (int64_t i = 0; i < rows; ++i) load_f32(src + i * ld, buf.data() + i * cols, cols);
+  return buf.data();
+}
+
+// dst[i, :n] (row stride ld) = src[i, :n] (+ bias[:n]) rounded to T.
 template <typename T, typename B>
-void store_rows(const float *src, int64_t rows, int64_t n, const B *bias, T *dst) {
-#pragma omp parallel for schedule(static)
+void store_rows(const float *src, int64_t rows, int64_t n, const B *bias, T *dst, int64_t ld) {
   for (int64_t i = 0; i < rows; ++i) {
     const float *s = src + i * n;
-    T *d = dst + i * n;
+    T *d = dst + i * ld;
     if (bias)
       for (int64_t j = 0; j < n; ++j) d[j] = from_f32<T>(s[j] + to_f32(bias[j]));
     else
-      for (int64_t j = 0; j < n; ++j) d[j] = from_f32<T>(s[j]);
+      store_f32(s, d, n);
   }
 }
 
-// dst[r, n] = bias[n] (or 0): float32 rows prefilled so that the BLAS adds the product (beta 1).
+// dst[i, :n] (row stride ld) = bias[:n] (or 0): rows prefilled so that the BLAS adds the product.
 template <typename B>
-void fill_rows(float *dst, int64_t rows, int64_t n, const B *bias) {
-#pragma omp parallel for schedule(static)
+void fill_rows(float *dst, int64_t rows, int64_t n, const B *bias, int64_t ld) {
   for (int64_t i = 0; i < rows; ++i) {
-    float *d = dst + i * n;
+    float *d = dst + i * ld;
     if (bias)
       for (int64_t j = 0; j < n; ++j) d[j] = to_f32(bias[j]);
     else

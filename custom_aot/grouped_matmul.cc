@@ -14,59 +14,72 @@ namespace {
 
 constexpr const char *kOp = "grouped_matmul";
 
+// Tiles of rows (and, for few rows, of columns): out[tile] = x[tile rows] @ op(weight[g])[:, tile
+// columns] (+ bias).
 template <typename T>
 void rows_form(const Arg &x, const Arg &w, const Arg &bias, const std::vector<int64_t> &off,
                bool trans_w, const Arg &out) {
   const int64_t k = x.dim(1), n = out.dim(1), groups = (int64_t)off.size() - 1;
   const T *xs = x.as<T>(), *ws = w.as<T>(), *bs = bias.present() ? bias.as<T>() : nullptr;
   T *ys = out.as<T>();
-  std::vector<float> wbuf, xbuf, ybuf;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t rows = off[g + 1] - off[g];
-    if (rows == 0) continue;  // an empty group touches nothing (not even its weight)
-    const float *wf = as_f32(ws + g * k * n, k * n, wbuf);
-    const T *bg = bs ? bs + g * n : nullptr;
-    const int64_t block = std::is_same_v<T, float> ? rows : kRowBlock;
-    for (int64_t r0 = 0; r0 < rows; r0 += block) {
-      const int64_t r = std::min(block, rows - r0), row = off[g] + r0;
-      const float *xf = as_f32(xs + row * k, r * k, xbuf);
-      if constexpr (std::is_same_v<T, float>) {
-        if (bg) fill_rows(ys + row * n, r, n, bg);  // bias first, the BLAS adds the product
-        sgemm(false, trans_w, r, n, k, xf, k, wf, trans_w ? k : n, bg ? 1.f : 0.f, ys + row * n, n);
-      } else {
-        ybuf.resize(r * n);
-        sgemm(false, trans_w, r, n, k, xf, k, wf, trans_w ? k : n, 0.f, ybuf.data(), n);
-        store_rows(ybuf.data(), r, n, bg, ys + row * n);
-      }
+  for_each_tile(row_tiles(off, n), [&](const Tile &t) {
+    thread_local std::vector<float> wbuf, xbuf, ybuf;
+    // the tile's columns of op(weight[g]): [k, c] of [k, n], or [c, k] rows of [n, k]
+    const T *wg = ws + t.g * k * n;
+    const float *wf;
+    int64_t ldw = trans_w ? k : n;
+    if constexpr (std::is_same_v<T, float>) {
+      wf = wg + (trans_w ? t.c0 * k : t.c0);
+    } else {
+      wf = trans_w ? as_f32(wg + t.c0 * k, t.c, k, k, wbuf) : as_f32(wg + t.c0, k, t.c, n, wbuf);
+      ldw = trans_w ? k : t.c;
     }
-  }
+    const float *xf = as_f32(xs + t.r0 * k, t.r, k, k, xbuf);
+    const T *bg = bs ? bs + t.g * n + t.c0 : nullptr;
+    T *yt = ys + t.r0 * n + t.c0;
+    if constexpr (std::is_same_v<T, float>) {
+      if (bg) fill_rows(yt, t.r, t.c, bg, n);  // bias first, the BLAS adds the product
+      sgemm(false, trans_w, t.r, t.c, k, xf, k, wf, ldw, bg ? 1.f : 0.f, yt, n);
+    } else {
+      ybuf.resize(t.r * t.c);
+      sgemm(false, trans_w, t.r, t.c, k, xf, k, wf, ldw, 0.f, ybuf.data(), t.c);
+      store_rows(ybuf.data(), t.r, t.c, bg, yt, n);
+    }
+  });
   zero_tail_rows(ys, off[groups], x.dim(0), n);
 }
 
+// out[g] = x[rows g]^T @ b[rows g], tiled over out[g]'s rows (x's columns): each tile sums all of
+// its group's rows itself, in a fixed order.
 template <typename T>
 void transposed_x_form(const Arg &x, const Arg &b, const std::vector<int64_t> &off,
                        const Arg &out) {
   const int64_t k = x.dim(1), n = b.dim(1), groups = (int64_t)off.size() - 1;
   const T *xs = x.as<T>(), *bs = b.as<T>();
   T *os = out.as<T>();
-  std::vector<float> xbuf, bbuf, acc;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t rows = off[g + 1] - off[g];
-    T *og = os + g * k * n;
+  const int64_t kc = k >= 256 ? 128 : k;
+  std::vector<Tile> tiles;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t k0 = 0; k0 < k; k0 += kc) tiles.push_back({g, k0, std::min(kc, k - k0), 0, n});
+  for_each_tile(tiles, [&](const Tile &t) {
+    const int64_t rows = off[t.g + 1] - off[t.g];
+    T *ot = os + t.g * k * n + t.r0 * n;
     if constexpr (std::is_same_v<T, float>) {
       // rows == 0: the empty sum, zeros (sgemm with k = 0 and beta 0)
-      sgemm(true, false, k, n, rows, xs + off[g] * k, k, bs + off[g] * n, n, 0.f, og, n);
+      sgemm(true, false, t.r, n, rows, xs + off[t.g] * k + t.r0, k, bs + off[t.g] * n, n, 0.f,
+            ot, n);
     } else {
-      acc.assign(k * n, 0.f);
+      thread_local std::vector<float> xbuf, bbuf, acc;
+      acc.assign(t.r * n, 0.f);
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-        const int64_t r = std::min(kRowBlock, rows - r0), row = off[g] + r0;
-        const float *xf = as_f32(xs + row * k, r * k, xbuf);
-        const float *bf = as_f32(bs + row * n, r * n, bbuf);
-        sgemm(true, false, k, n, r, xf, k, bf, n, 1.f, acc.data(), n);
+        const int64_t r = std::min(kRowBlock, rows - r0), row = off[t.g] + r0;
+        const float *xf = as_f32(xs + row * k + t.r0, r, t.r, k, xbuf);
+        const float *bf = as_f32(bs + row * n, r, n, n, bbuf);
+        sgemm(true, false, t.r, n, r, xf, t.r, bf, n, 1.f, acc.data(), n);
       }
-      store_rows(acc.data(), k, n, static_cast<const T *>(nullptr), og);
+      store_rows(acc.data(), t.r, n, static_cast<const T *>(nullptr), ot, n);
     }
-  }
+  });
 }
 
 // The arguments (SPEC §5): x [M, K] float; group_list int64 [G], G >= 1; rows form: weight
