@@ -270,12 +270,23 @@ inline int dispatch_float(const char *op, DType t, F &&f) {
   }
 }
 
+// cond ? a : b as a select of bits. Written as `cond ? a : b`, GCC moves the arithmetic that
+// follows into both sides (e.g. `x = x < c ? c : x; y = x * k` becomes two products, one of
+// them constant-folded), and then cannot vectorise the loop without AVX-512's masked moves:
+// arithmetic that may raise a floating-point exception is not executed on the side not taken.
+// A bit select keeps one straight-line path on every instruction set.
+inline float pick(bool cond, float a, float b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(cond);
+  return bits_f32((f32_bits(a) & mask) | (f32_bits(b) & ~mask));
+}
+inline float min_of(float a, float b) { return pick(b < a, b, a); }  // std::min: NaN a -> a
+inline float max_of(float a, float b) { return pick(a < b, b, a); }  // std::max: NaN a -> a
+
 // exp(x) for float32 within ~2 ulp, branch-free so that loops calling it vectorise (libm's expf
 // does not without -ffast-math, which would break the NaN/inf handling elsewhere). The argument
 // is clamped to [-87.3, 88.3]: results stay finite and normal.
 inline float exp_approx(float x) {
-  x = x < -87.3f ? -87.3f : x;  // (NaN passes through both and gives NaN)
-  x = x > 88.3f ? 88.3f : x;
+  x = min_of(max_of(x, -87.3f), 88.3f);  // (NaN passes through both and gives NaN)
   const float t = x * 1.44269504f + 12582912.f;  // round(x / ln 2) lands in t's low bits
   const float n = t - 12582912.f;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;   // x - n ln 2, two-part ln 2

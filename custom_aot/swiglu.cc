@@ -12,14 +12,16 @@ namespace moe {
 inline namespace MOE_ISA_NS {
 namespace {
 
-// sigma(a) and 1 - sigma(a), both from e^-|a| so neither overflows nor cancels.
+// sigma(a) and 1 - sigma(a), both from e^-|a| so neither overflows nor cancels (selects as
+// pick(): see common.h).
 struct Sigmoid {
   float s, one_minus_s;
 };
 inline Sigmoid sigmoid_pair(float a) {
   const float e = exp_approx(-std::fabs(a));
   const float big = 1.f / (1.f + e), small = e * big;
-  return a >= 0.f ? Sigmoid{big, small} : Sigmoid{small, big};
+  const bool positive = a >= 0.f;
+  return Sigmoid{pick(positive, big, small), pick(positive, small, big)};
 }
 
 // trunc = min(sum(counts), rows); a negative count is a data fault (reported before any write).
@@ -116,8 +118,8 @@ void swiglu_block(const float *x0, const float *x1, int64_t n, float c, float w,
   for (int64_t j = 0; j < n; ++j) {
     float a = x0[j], b = x1[j];
     if constexpr (kClamp) {
-      a = std::min(a, c);
-      b = std::min(std::max(b, -c), c);
+      a = min_of(a, c);
+      b = min_of(max_of(b, -c), c);
     }
     const float yo = a * sigmoid_pair(a).s * b;
     y_origin[j] = yo;
@@ -137,16 +139,16 @@ float swiglu_grad_block(const float *grad_y, const float *x0, const float *x1,
     const float a0 = x0[j], b0 = x1[j], g = grad_y[j];
     float a = a0, b = b0;
     if constexpr (kClamp) {
-      a = std::min(a, c);
-      b = std::min(std::max(b, -c), c);
+      a = min_of(a, c);
+      b = min_of(max_of(b, -c), c);
     }
     const Sigmoid sg = sigmoid_pair(a);
-    const float gy = kWeight ? g * w : g;
+    const float gy = kWeight ? g * w : g;  // (a compile-time choice)
     float da = gy * b * sg.s * (1.f + a * sg.one_minus_s);
     float db = gy * a * sg.s;
     if constexpr (kClamp) {  // gradient passes only strictly inside the clamp (original x)
-      da = a0 < c ? da : 0.f;
-      db = (b0 > -c && b0 < c) ? db : 0.f;
+      da = pick(a0 < c, da, 0.f);
+      db = pick((b0 > -c) & (b0 < c), db, 0.f);
     }
     gx0[j] = da;
     gx1[j] = db;
