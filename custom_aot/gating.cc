@@ -160,10 +160,11 @@ int check_router(const Args &args, Extra *extra, RouterAttrs *a) {
 }
 
 // The backwards: x_norm [M, N] float32 (1 <= N <= kMaxExperts), grad_y [M, K] (1 <= K <= N),
-// expert_idx [M, K] int32, grad_x [M, N] of grad_y's dtype.
-int check_router_backward(const char *op, const Args &args) {
-  if (int rc = check_count(op, args, 4)) return rc;
-  const Arg xn = args[0], gy = args[1], ei = args[2], gx = args[3];
+// expert_idx [M, K] int32, for the whole backward grad_x_norm [M, N] float32 or none, then
+// grad_x [M, N] of grad_y's dtype.
+int check_router_backward(const char *op, const Args &args, bool with_grad_x_norm = false) {
+  if (int rc = check_count(op, args, with_grad_x_norm ? 5 : 4)) return rc;
+  const Arg xn = args[0], gy = args[1], ei = args[2], gx = args[with_grad_x_norm ? 4 : 3];
   if (int rc = check_arg(op, "x_norm", xn, 2, {DType::kF32})) return rc;
   if (int rc = check_arg(op, "grad_y", gy, 2, {DType::kF32, DType::kF16, DType::kBF16})) return rc;
   const int64_t m = xn.dim(0), n = xn.dim(1), k = gy.dim(1);
@@ -174,6 +175,8 @@ int check_router_backward(const char *op, const Args &args) {
     return fail(op, "'grad_y' must be [M=%lld, K] with 1 <= K <= N=%lld, got %s", (long long)m,
                 (long long)n, shape_label(gy).c_str());
   if (int rc = check_exact(op, "expert_idx", ei, DType::kI32, {m, k})) return rc;
+  if (with_grad_x_norm)
+    if (int rc = check_optional(op, "grad_x_norm", args[3], DType::kF32, {m, n})) return rc;
   return check_exact(op, "grad_x", gx, gy.dtype, {m, n});
 }
 
@@ -205,41 +208,58 @@ void renorm_grad(const float *xn, const T *gy, const int32_t *idx, int k, bool r
   for (int p = 0; p < k; ++p) gw[p] = (scale * to_f32(gy[p]) - beta) / d;
 }
 
+// The router's backward: the gradient through y (grad_y) and, when grad_x_norm is present, the
+// one through the x_norm output too (score' applied to the sum of both), in one pass. The entry
+// points have checked the arguments (check_router_backward).
 template <typename T>
-int gating_backward(const Args &args, Extra *extra, bool softmax) {
-  const char *op = softmax ? "moe_gating_top_k_softmax_backward" : "moe_gating_top_k_backward";
-  const Arg xn = args[0], gy = args[1], ei = args[2], gx = args[3];
-  if (int rc = check_router_backward(op, args)) return rc;
+int gating_backward(const char *op, const Arg &xn, const Arg &gy, const Arg &ei, const Arg &gxn,
+                     const Arg &gx, bool softmax, bool renorm, float scale, float eps) {
   const int64_t m = xn.dim(0), n = xn.dim(1), k = gy.dim(1);
-  const float scale = extra->GetAttrFloat("routed_scaling_factor");
-  const float eps = extra->GetAttrFloat("eps");
-  const bool renorm = softmax ? extra->GetAttrInt("renorm") == 1 : true;
   if (int rc = check_index_rows(op, ei.as<int32_t>(), m, k, n)) return rc;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < m; ++i) {
     const float *xr = xn.as<float>() + i * n;
+    const float *dr = gxn.present() ? gxn.as<float>() + i * n : nullptr;
     const T *gr = gy.as<T>() + i * k;
     const int32_t *ir = ei.as<int32_t>() + i * k;
     T *out = gx.as<T>() + i * n;
-    float gw[kMaxExperts], gn[kMaxExperts];
+    float gw[kMaxExperts], gn[kMaxExperts], row[kMaxExperts];
     renorm_grad(xr, gr, ir, (int)k, renorm, scale, eps, gw);
-    for (int p = 0; p < k; ++p) gn[ir[p]] = 0.f;
-    for (int p = 0; p < k; ++p) gn[ir[p]] += gw[p];
     if (!softmax) {
-      // sigmoid' = xn (1 - xn); experts not selected get exactly zero
-      std::fill(out, out + n, from_f32<T>(0.f));
-      for (int p = 0; p < k; ++p) {
-        const int j = ir[p];
-        out[j] = from_f32<T>(xr[j] * (1.f - xr[j]) * gn[j]);
+      // sigmoid' = xn (1 - xn); without grad_x_norm, experts not selected get exactly zero
+      if (dr) {
+        for (int64_t j = 0; j < n; ++j) gn[j] = 0.f;
+      } else {
+        for (int p = 0; p < k; ++p) gn[ir[p]] = 0.f;
+      }
+      for (int p = 0; p < k; ++p) gn[ir[p]] += gw[p];
+      if (dr) {
+        for (int64_t j = 0; j < n; ++j) {
+          const float d = xr[j] * (1.f - xr[j]);
+          row[j] = d * gn[j] + d * dr[j];
+        }
+        store_f32(row, out, n);
+      } else {
+        std::fill(out, out + n, from_f32<T>(0.f));
+        for (int p = 0; p < k; ++p) {
+          const int j = ir[p];
+          out[j] = from_f32<T>(xr[j] * (1.f - xr[j]) * gn[j]);
+        }
       }
     } else {
-      // softmax': xn_j (gn_j - sum_l xn_l gn_l)
+      // softmax': xn_j (gn_j - sum_l xn_l gn_l), with gn + grad_x_norm for gn
+      for (int p = 0; p < k; ++p) gn[ir[p]] = 0.f;
+      for (int p = 0; p < k; ++p) gn[ir[p]] += gw[p];
       float dot = 0.f;
       for (int p = 0; p < k; ++p) dot += xr[ir[p]] * gw[p];
-      float row[kMaxExperts];
-      for (int j = 0; j < n; ++j) row[j] = -xr[j] * dot;
+      for (int64_t j = 0; j < n; ++j) row[j] = -xr[j] * dot;
       for (int p = 0; p < k; ++p) row[ir[p]] = xr[ir[p]] * (gn[ir[p]] - dot);
-      for (int j = 0; j < n; ++j) out[j] = from_f32<T>(row[j]);
+      if (dr) {
+        float dot_d = 0.f;
+        for (int64_t j = 0; j < n; ++j) dot_d += xr[j] * dr[j];
+        for (int64_t j = 0; j < n; ++j) row[j] += xr[j] * (dr[j] - dot_d);
+      }
+      store_f32(row, out, n);
     }
   }
   return 0;
@@ -269,17 +289,49 @@ MOE_KERNEL(MoeGatingTopK)(int nparam, void **params, int *ndims, int64_t **shape
 
 // inputs: x_norm [M, N] f32, grad_y [M, K], expert_idx [M, K] int32; output: grad_x [M, N]
 MOE_KERNEL(MoeGatingTopKBackward)(int nparam, void **params, int *ndims, int64_t **shapes,
-                                     const char **dtypes, void *stream, void *extra) {
+                                     const char **dtypes, void *stream, void *extra_ptr) {
   const Args args{nparam, params, ndims, shapes, dtypes};
-  return dispatch_float("moe_gating_top_k_backward", args[1].dtype, [&](auto tag) {
-    return gating_backward<decltype(tag)>(args, static_cast<Extra *>(extra), false);
+  const char *op = "moe_gating_top_k_backward";
+  if (int rc = check_router_backward(op, args)) return rc;
+  auto *extra = static_cast<Extra *>(extra_ptr);
+  const float scale = extra->GetAttrFloat("routed_scaling_factor"), eps = extra->GetAttrFloat("eps");
+  return dispatch_float(op, args[1].dtype, [&](auto tag) {
+    return gating_backward<decltype(tag)>(op, args[0], args[1], args[2], Arg{}, args[3], false,
+                                          true, scale, eps);
   });
 }
 
 MOE_KERNEL(MoeGatingTopKSoftmaxBackward)(int nparam, void **params, int *ndims, int64_t **shapes,
-                                            const char **dtypes, void *stream, void *extra) {
+                                            const char **dtypes, void *stream, void *extra_ptr) {
   const Args args{nparam, params, ndims, shapes, dtypes};
-  return dispatch_float("moe_gating_top_k_softmax_backward", args[1].dtype, [&](auto tag) {
-    return gating_backward<decltype(tag)>(args, static_cast<Extra *>(extra), true);
+  const char *op = "moe_gating_top_k_softmax_backward";
+  if (int rc = check_router_backward(op, args)) return rc;
+  auto *extra = static_cast<Extra *>(extra_ptr);
+  const float scale = extra->GetAttrFloat("routed_scaling_factor"), eps = extra->GetAttrFloat("eps");
+  const bool renorm = extra->GetAttrInt("renorm") == 1;
+  return dispatch_float(op, args[1].dtype, [&](auto tag) {
+    return gating_backward<decltype(tag)>(op, args[0], args[1], args[2], Arg{}, args[3], true,
+                                          renorm, scale, eps);
+  });
+}
+
+// The router's whole backward (moe_gating_top_k_grad). inputs: x_norm [M, N] f32, grad_y [M, K],
+// expert_idx [M, K] int32, grad_x_norm [M, N] f32 or None; output: grad_x [M, N] (grad_y's dtype).
+// attrs: norm_type (1 sigmoid, 0 softmax), renorm (0 or 1), routed_scaling_factor, eps.
+MOE_KERNEL(MoeGatingTopKGrad)(int nparam, void **params, int *ndims, int64_t **shapes,
+                                 const char **dtypes, void *stream, void *extra_ptr) {
+  const Args args{nparam, params, ndims, shapes, dtypes};
+  const char *op = "moe_gating_top_k_grad";
+  if (int rc = check_router_backward(op, args, true)) return rc;
+  auto *extra = static_cast<Extra *>(extra_ptr);
+  const int64_t norm_type = extra->GetAttrInt("norm_type"), renorm_attr = extra->GetAttrInt("renorm");
+  if ((norm_type != 0 && norm_type != 1) || (renorm_attr != 0 && renorm_attr != 1))
+    return fail(op, "attributes norm_type and renorm must be 0 or 1, got %lld and %lld",
+                (long long)norm_type, (long long)renorm_attr);
+  const float scale = extra->GetAttrFloat("routed_scaling_factor"), eps = extra->GetAttrFloat("eps");
+  const bool softmax = norm_type == 0, renorm = !softmax || renorm_attr == 1;
+  return dispatch_float(op, args[1].dtype, [&](auto tag) {
+    return gating_backward<decltype(tag)>(op, args[0], args[1], args[2], args[3], args[4], softmax,
+                                          renorm, scale, eps);
   });
 }

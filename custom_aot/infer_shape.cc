@@ -105,6 +105,11 @@ MOE_EXPORT Shape MoeGatingTopKSoftmaxBackwardInferShape(int *ndims, int64_t **sh
   return gating_backward(ndims, shapes);
 }
 
+// moe_gating_top_k_grad: the same, grad_x_norm [M, N] (when given) fourth
+MOE_EXPORT Shape MoeGatingTopKGradInferShape(int *ndims, int64_t **shapes, void *) {
+  return gating_backward(ndims, shapes);
+}
+
 // swiglu_group: x [.., 2H] -> y, y_origin [.., H]
 MOE_EXPORT Shapes SwigluGroupInferShape(int *ndims, int64_t **shapes, void *) {
   const Shape y = halved(shape_of(ndims, shapes, 0));

@@ -104,6 +104,19 @@ def moe_gating_top_k_softmax_backward(x_norm, grad_y, expert_idx, renorm=0,
                             True)
 
 
+
+def moe_gating_top_k_grad(x_norm, grad_y, expert_idx, grad_x_norm=None, norm_type=1, renorm=0,
+                          routed_scaling_factor=1.0, eps=1e-20):
+    """The router's whole backward: the gradient through y plus the score function's derivative
+    applied to grad_x_norm (the gradient of the x_norm output) -> grad_x [M, N] float64."""
+    softmax = norm_type == 0
+    grad_x = _router_backward(x_norm, grad_y, expert_idx, renorm == 1 or not softmax,
+                              routed_scaling_factor, eps, softmax)
+    if grad_x_norm is not None:
+        xn, d = x_norm.astype(np.float64), np.asarray(grad_x_norm, np.float64)
+        grad_x += xn * (d - (xn * d).sum(-1, keepdims=True)) if softmax else xn * (1 - xn) * d
+    return grad_x
+
 # -- MoE layer (router -> experts -> weighted sum + shared experts) -------------------------------
 
 def _moe_activation(name, h, clamp_limit=0.0):

@@ -80,6 +80,14 @@ def _router_backward(rng, dtype, softmax=False, **attrs):
         (ref.moe_gating_top_k_backward(x_norm, grad_y, idx, **attrs),)
 
 
+
+def _router_grad(rng, dtype, softmax=False, with_grad_x_norm=True, **attrs):
+    _, (x_norm, grad_y, idx), _, _ = _router_backward(rng, dtype, softmax)
+    dxn = rng.normal(size=x_norm.shape).astype(np.float32) if with_grad_x_norm else None
+    attrs = dict(attrs, norm_type=0 if softmax else 1)
+    return gating.GATING_GRAD, [x_norm, grad_y, idx, dxn], attrs, \
+        (ref.moe_gating_top_k_grad(x_norm, grad_y, idx, dxn, **attrs),)
+
 def _swiglu(rng, dtype, shape=(6, 10), counts=(3, 2), clamp=1.5, weighted=True):
     x = rounded(rng.uniform(-3, 3, shape), dtype)
     w = rng.uniform(0.1, 1, shape[:-1] + (1,)).astype(np.float32) if weighted else None
@@ -187,6 +195,10 @@ CASES = {
     "router_ties": _router_ties,
     "router_backward": lambda r, d: _router_backward(r, d, routed_scaling_factor=2.5),
     "router_softmax_backward": lambda r, d: _router_backward(r, d, True, renorm=1, eps=1e-6),
+    "router_grad": lambda r, d: _router_grad(r, d, routed_scaling_factor=2.5),
+    "router_grad_no_x_norm": lambda r, d: _router_grad(r, d, False, False, eps=1e-6),
+    "router_grad_softmax": lambda r, d: _router_grad(r, d, True, renorm=1, eps=1e-6),
+    "router_grad_softmax_no_x_norm": lambda r, d: _router_grad(r, d, True, False),
     "swiglu": _swiglu,
     "swiglu_3d_unclamped": lambda r, d: _swiglu(r, d, (2, 3, 8), None, 0.0, False),
     "swiglu_backward": _swiglu_backward,
@@ -221,8 +233,8 @@ def _compare(outs, golden, dtype):
 
 
 # one case per operator compiled in GRAPH mode too (each compilation costs seconds)
-GRAPH_CASES = ["router_groups_top2", "router_backward", "router_softmax_backward", "swiglu",
-               "swiglu_backward", "activation_grad_gelu", "moe_ffn_gelu_cumulative",
+GRAPH_CASES = ["router_groups_top2", "router_backward", "router_softmax_backward", "router_grad",
+               "swiglu", "swiglu_backward", "activation_grad_gelu", "moe_ffn_gelu_cumulative",
                "grouped_matmul", "permute", "unpermute", "unpermute_backward"]
 
 
@@ -239,7 +251,8 @@ def test_every_operator_has_a_graph_mode_case():
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("case", ["router_groups_top2", "swiglu", "swiglu_backward",
+@pytest.mark.parametrize("case", ["router_groups_top2", "router_grad_softmax", "swiglu",
+                                  "swiglu_backward",
                                   "grouped_matmul", "permute", "unpermute"])
 def test_composition_half_precision(case, dtype, rng):
     op, inputs, attrs, golden = CASES[case](rng, dtype)

@@ -6,7 +6,7 @@ from mindspore import Tensor, nn
 
 from ms_moe_ops import GatingTopK, moe_gating_top_k, moe_gating_top_k_backward
 from ms_moe_ops import reference as ref
-from ms_moe_ops.ops.gating import GATING_SOFTMAX_BACKWARD
+from ms_moe_ops.ops.gating import GATING_GRAD, GATING_SOFTMAX_BACKWARD
 from conftest import assert_close, cpu_only, finite_diff, grad, numpy, rounded, run, tensor
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
@@ -173,6 +173,37 @@ def test_softmax_backward_kernel_matches_golden(renorm, rng):
     expected = ref.moe_gating_top_k_softmax_backward(xn, gy, idx, **attrs)
     assert_close(out, expected)
 
+
+
+@pytest.mark.parametrize("softmax", [False, True])
+@pytest.mark.parametrize("with_grad_x_norm", [False, True])
+def test_whole_backward_kernel_matches_golden(softmax, with_grad_x_norm, dtype, mode, rng):
+    # moe_gating_top_k_grad: the gradient through y and through x_norm, in one kernel
+    logits = rng.normal(size=(6, 12))
+    xn = (ref._softmax(logits) if softmax else 1 / (1 + np.exp(-logits))).astype(np.float32)
+    gy = rounded(rng.normal(size=(6, 3)), dtype)
+    idx = np.array([rng.permutation(12)[:3] for _ in range(6)], np.int32)
+    idx[0, 1] = idx[0, 0]  # a duplicate: both gradients are summed
+    dxn = rng.normal(size=(6, 12)).astype(np.float32) if with_grad_x_norm else None
+    attrs = dict(norm_type=0 if softmax else 1, renorm=1, routed_scaling_factor=1.5, eps=1e-6)
+    args = [Tensor(xn), tensor(gy, dtype), Tensor(idx)]
+
+    def without_x_norm(x, g, i):
+        return GATING_GRAD(x, g, i, None, **attrs)
+
+    def with_x_norm(x, g, i, d):
+        return GATING_GRAD(x, g, i, d, **attrs)
+
+    if dxn is None:
+        out = run(without_x_norm, *args, mode=mode)
+    else:
+        out = run(with_x_norm, *args, Tensor(dxn), mode=mode)
+    assert out.dtype == tensor(gy, dtype).dtype
+    assert_close(numpy(out), ref.moe_gating_top_k_grad(xn, gy, idx, dxn, **attrs), dtype)
+    if not with_grad_x_norm and not softmax:  # unselected experts: exactly zero
+        chosen = np.zeros_like(xn, bool)
+        np.put_along_axis(chosen, idx, True, 1)
+        assert not numpy(out)[~chosen].any()
 
 # -- gradient of the forward against finite differences ------------------------------------------
 

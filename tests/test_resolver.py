@@ -14,7 +14,7 @@ from ms_moe_ops.ops import OPERATORS, _op, _platform
 from ms_moe_ops.ops._checks import to_mstype
 from ms_moe_ops.ops._impls import kernel
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD, MOE_FFN
-from ms_moe_ops.ops.gating import GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_TOP_K
+from ms_moe_ops.ops.gating import GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD, GATING_TOP_K
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
 from ms_moe_ops.ops.permute import PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD
@@ -81,6 +81,9 @@ SELECTION = [
     (GATING_BACKWARD, A2_PYNATIVE, ROUTER_BWD, {}, "composition", "PyNative: no aclnn"),
     (GATING_BACKWARD, GRAPH_950, ROUTER_BWD, {}, "composition", "no kernel on 950"),
     (GATING_SOFTMAX_BACKWARD, A2_GRAPH, ROUTER_BWD, {}, "composition", "Ascend has no kernel"),
+    (GATING_GRAD, A2_GRAPH, ROUTER_BWD + (None,), {}, "composition",
+     "composed of the router backwards (aclnn where they have it)"),
+    (GATING_GRAD, CPU_GRAPH, ROUTER_BWD + (None,), {}, "kernel", "the CPU kernel on CPU"),
     (SWIGLU_GROUP, A2_GRAPH, SWIGLU, {}, "composition", "no aclnn forward kernel exists"),
     (SWIGLU_GROUP, CPU_GRAPH, SWIGLU, {}, "kernel", "the CPU kernel on CPU"),
     (SWIGLU_GROUP_QUANT_GRAD, GRAPH_950, SWIGLU_BWD, dict(clamp_limit=7.0), "aclnn",
@@ -283,7 +286,8 @@ README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 _WORDS = {"aclnn": "**aclnn**", "builtin": "**built-in**", "composition": "**composition**"}
 _COLUMNS = {A2_GRAPH: 1, A2_PYNATIVE: 2, GRAPH_950: 3, PYNATIVE_950: 3}
 _ROWS = {GATING_TOP_K: "moe_gating_top_k", GATING_BACKWARD: "moe_gating_top_k_backward",
-         GATING_SOFTMAX_BACKWARD: "softmax router backward", SWIGLU_GROUP: "swiglu_group",
+         GATING_SOFTMAX_BACKWARD: "softmax router backward",
+         GATING_GRAD: "router backward with x_norm's gradient", SWIGLU_GROUP: "swiglu_group",
          SWIGLU_GROUP_QUANT_GRAD: "swiglu_group_quant_grad", MOE_FFN: "moe_ffn",
          GROUPED_MATMUL: "grouped_matmul", PERMUTE: "moe_token_permute",
          UNPERMUTE: "moe_token_unpermute", UNPERMUTE_BACKWARD: "moe_token_unpermute backward",

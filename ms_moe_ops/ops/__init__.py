@@ -1,7 +1,7 @@
 """Functional API: every operator of the package (declarations and kernels: one module each)."""
 from .ffn import FFN_ACTIVATION_GRAD, MOE_FFN, moe_ffn
-from .gating import (GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_TOP_K, moe_gating_top_k,
-                     moe_gating_top_k_backward)
+from .gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD, GATING_TOP_K,
+                     moe_gating_top_k, moe_gating_top_k_backward)
 from .grouped_matmul import GROUPED_MATMUL, grouped_matmul
 from .permute import (PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD, moe_token_permute,
                       moe_token_unpermute, moe_token_unpermute_backward)
@@ -9,7 +9,7 @@ from .swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD, swiglu_group, swiglu_
 
 # Every operator declaration (OpDef), public operators first: what the resolver, the tests and
 # the README's implementation table go through.
-OPERATORS = (GATING_TOP_K, GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, SWIGLU_GROUP,
+OPERATORS = (GATING_TOP_K, GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_GRAD, SWIGLU_GROUP,
              SWIGLU_GROUP_QUANT_GRAD, MOE_FFN, FFN_ACTIVATION_GRAD, GROUPED_MATMUL, PERMUTE,
              UNPERMUTE, UNPERMUTE_BACKWARD)
 

@@ -61,24 +61,14 @@ def _infer_router_dtype(a, x, bias):
 
 
 def _router_bprop(a):
-    sigmoid = a["norm_type"] == 1
     backward_args = dict(routed_scaling_factor=a["routed_scaling_factor"], eps=a["eps"])
-    one_expert = _sigmoid_backward_composed(a)  # N = 1, below the backward operator's N >= 2
 
     def bprop(x, bias, out, dout):
         _, expert_idx, x_norm = out
         dy, _, dx_norm = dout
-        if sigmoid:
-            if x_norm.shape[1] == 1:
-                grad = one_expert(x_norm, dy, expert_idx)
-            else:
-                grad = moe_gating_top_k_backward(x_norm, dy, expert_idx, **backward_args)
-            direct = x_norm * (1 - x_norm) * dx_norm
-        else:
-            grad = GATING_SOFTMAX_BACKWARD(x_norm, dy, expert_idx, renorm=a["renorm"], **backward_args)
-            direct = x_norm * (dx_norm - (x_norm * dx_norm).sum(axis=-1, keepdims=True))
         # x_norm is an output too: its own gradient adds the score function's derivative
-        grad = grad + direct.astype(grad.dtype)
+        grad = GATING_GRAD(x_norm, dy, expert_idx, dx_norm, norm_type=a["norm_type"],
+                           renorm=a["renorm"], **backward_args)
         return grad, (None if bias is None else ops.zeros_like(bias))
 
     return bprop
@@ -337,3 +327,76 @@ GATING_SOFTMAX_BACKWARD = OpDef(
     infer_dtype=_backward_infer(_SOFTMAX_BWD, 1)[1],
     impls=(kernel("MoeGatingTopKSoftmaxBackward"), composition(_softmax_backward_composed)),
 )
+
+
+# -- the router's whole backward ------------------------------------------------------------------
+
+_GRAD = "moe_gating_top_k_grad"
+
+
+def _infer_grad(a, x_norm, grad_y, expert_idx, grad_x_norm):
+    shapes = _backward_infer(_GRAD, 1)[0](a, x_norm, grad_y, expert_idx)
+    if grad_x_norm is not None:
+        check_shape(_GRAD, "grad_x_norm", grad_x_norm, x_norm, "the shape of x_norm")
+    return shapes
+
+
+def _infer_grad_dtype(a, x_norm, grad_y, expert_idx, grad_x_norm):
+    if grad_x_norm is not None:
+        check_dtype(_GRAD, "grad_x_norm", grad_x_norm, ("float32",))
+    return _backward_infer(_GRAD, 1)[1](a, x_norm, grad_y, expert_idx)
+
+
+def _grad_composed(a):
+    """The backward through y (moe_gating_top_k_backward, or the softmax one) plus the score
+    function's derivative applied to grad_x_norm, as separate operators."""
+    sigmoid = a["norm_type"] == 1
+    args = dict(routed_scaling_factor=a["routed_scaling_factor"], eps=a["eps"])
+    one_expert = _sigmoid_backward_composed(a)  # N = 1, below the backward operator's N >= 2
+
+    def grad(x_norm, grad_y, expert_idx, grad_x_norm):
+        if sigmoid and x_norm.shape[1] == 1:
+            g = one_expert(x_norm, grad_y, expert_idx)
+        elif sigmoid:
+            g = moe_gating_top_k_backward(x_norm, grad_y, expert_idx, **args)
+        else:
+            g = GATING_SOFTMAX_BACKWARD(x_norm, grad_y, expert_idx, renorm=a["renorm"], **args)
+        if grad_x_norm is None:
+            return g
+        if sigmoid:
+            direct = x_norm * (1 - x_norm) * grad_x_norm
+        else:
+            direct = x_norm * (grad_x_norm - (x_norm * grad_x_norm).sum(axis=-1, keepdims=True))
+        return g + direct.astype(g.dtype)
+
+    return grad
+
+
+# The gradient of moe_gating_top_k with respect to x, given the gradients of both its outputs y
+# and x_norm: on CPU one kernel reads x_norm and grad_x_norm once and writes grad_x once (the
+# separate operators take five passes over [M, N]).
+GATING_GRAD = OpDef(
+    name=_GRAD,
+    inputs=("x_norm", "grad_y", "expert_idx", "grad_x_norm"),
+    optional=("grad_x_norm",),
+    outputs=("grad_x",),
+    attrs=(Attr("norm_type", int, 1), Attr("renorm", int, 0),
+           Attr("routed_scaling_factor", float, 1.0), Attr("eps", float, 1e-20)),
+    infer=_infer_grad,
+    infer_dtype=_infer_grad_dtype,
+    impls=(kernel("MoeGatingTopKGrad"), composition(_grad_composed)),
+)
+
+
+def moe_gating_top_k_grad(x_norm, grad_y, expert_idx, grad_x_norm=None, norm_type=1, renorm=0,
+                          routed_scaling_factor=1.0, eps=1e-20):
+    """Gradient of moe_gating_top_k with respect to x from the gradients of y and of x_norm
+    (sigmoid or softmax scores, as norm_type and renorm in the forward).
+
+    x_norm [M, N] float32, grad_y [M, K] float32/float16/bfloat16, expert_idx [M, K] int32,
+    grad_x_norm [M, N] float32 or None (zero) -> grad_x [M, N] in grad_y's dtype, computed in
+    float32. Duplicate indices in a row are summed; an index outside [0, N) is a RuntimeError
+    raised before anything is written.
+    """
+    return GATING_GRAD(x_norm, grad_y, expert_idx, grad_x_norm, norm_type=norm_type,
+                       renorm=renorm, routed_scaling_factor=routed_scaling_factor, eps=eps)
