@@ -11,14 +11,17 @@ numpy's bundled OpenBLAS can mis-detect the CPU in a virtual machine (OPENBLAS_V
 (or the CPU's family) set in the environment.
 """
 import argparse
-import statistics
-import time
+import os
+import sys
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
 from ms_moe_ops import moe_ffn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 ms.set_context(device_target="CPU", mode=ms.GRAPH_MODE)
 
@@ -28,17 +31,8 @@ def timed(fn, runs):
 
 
 def timed_together(contenders, runs):
-    """[(name, median seconds)]: every contender warmed up (and compiled), then timed in turns,
-    so that a change in the machine's load hits all of them alike."""
-    for _, fn in contenders:
-        fn()
-    times = {name: [] for name, _ in contenders}
-    for _ in range(runs):
-        for name, fn in contenders:
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return [(name, statistics.median(times[name])) for name, _ in contenders]
+    """[(name, median seconds)] of the contenders, timed in turns (common.timed_together)."""
+    return list(common.timed_together(contenders, runs).items())
 
 
 def splits(m, e):

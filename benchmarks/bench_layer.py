@@ -1,21 +1,37 @@
-"""MoELayer forward + backward against the same layer composed from MindSpore ops, and numpy.
+"""MoELayer forward + backward side by side with transformers' DeepseekV3MoE (torch, CPU), the same
+products as bare BLAS calls, numpy, and optionally the layer composed from MindSpore ops.
 
-The composed layer is what a user writes without this package in GRAPH mode (static shapes): a
-loop over the experts in which every expert runs on every token and a mask keeps the routed
-ones (E/K times the useful work, but no dynamic shapes). numpy: a vectorised forward that gathers
-each expert's tokens. All three use the same weights; the outputs are checked against each other.
+All contenders hold the same weights (DeepseekV3MoE's, converted with convert_deepseek_v3_moe)
+and see the same input; the outputs are checked against each other before anything is timed.
+Timings are medians of rounds in which every contender runs once, in turns.
 
-    python benchmarks/bench_layer.py                       # T=4096 H=512 F=256 E=16 K=4
-    python benchmarks/bench_layer.py --tokens 1024 --shared 1
+- DeepseekV3MoE: transformers' block (router with bias-based choice, routed SwiGLU experts, one
+  shared expert) in torch eager mode with `torch.set_num_threads(cores)`, its default experts
+  loop, and its "grouped_mm" experts when torch has them on CPU.
+- bare BLAS: every matrix product of the layer's forward and backward (router, each expert's
+  two products and their four gradient products, the shared expert's) as one sgemm call each,
+  same shapes, through the BLAS the kernels link (scipy-openblas32), on every core and on one
+  (on a loaded machine the BLAS's spinning threads can make one thread faster): the speed the
+  products reach in the BLAS and nothing else. The faster of the two is the reference.
+- composed (--composed): the layer from MindSpore ops in GRAPH mode, every expert on every token
+  (E/K times the useful work), which is what static shapes force without this package.
+
+    python benchmarks/bench_layer.py                       # T=4096 H=512 F=256 E=16 K=4, shared 1
+    python benchmarks/bench_layer.py --tokens 1024 --composed
 """
 import argparse
-import time
+import os
+import sys
 
 import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 from ms_moe_ops import MoELayer
+from ms_moe_ops.nn.families import convert_deepseek_v3_moe, moe_config_from_transformers
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import cores, timed_together  # noqa: E402
 
 
 class ComposedMoE(nn.Cell):
@@ -24,16 +40,17 @@ class ComposedMoE(nn.Cell):
 
     def __init__(self, layer):
         super().__init__()
-        self.router_weight = ms.Parameter(Tensor(layer.router.weight.asnumpy()), name="router_weight")
+        self.router_weight = Parameter(Tensor(layer.router.weight.asnumpy()), name="router_weight")
         self.bias = Tensor(layer.router.expert_bias.asnumpy())
-        self.w1 = ms.Parameter(Tensor(layer.experts.weight1.asnumpy()), name="w1")
-        self.w2 = ms.Parameter(Tensor(layer.experts.weight2.asnumpy()), name="w2")
+        self.w1 = Parameter(Tensor(layer.experts.weight1.asnumpy()), name="w1")
+        self.w2 = Parameter(Tensor(layer.experts.weight2.asnumpy()), name="w2")
         self.shared = layer.shared_experts is not None
         if self.shared:
-            self.sw1 = ms.Parameter(Tensor(layer.shared_experts.weight1.asnumpy()), name="sw1")
-            self.sw2 = ms.Parameter(Tensor(layer.shared_experts.weight2.asnumpy()), name="sw2")
+            self.sw1 = Parameter(Tensor(layer.shared_experts.weight1.asnumpy()), name="sw1")
+            self.sw2 = Parameter(Tensor(layer.shared_experts.weight2.asnumpy()), name="sw2")
         self.num_experts = layer.num_experts
         self.top_k = layer.top_k
+        self.scale = layer.router.routed_scaling_factor
 
     @staticmethod
     def swiglu(h):
@@ -44,7 +61,7 @@ class ComposedMoE(nn.Cell):
         scores = ops.sigmoid(ops.matmul(x, self.router_weight.T))
         _, idx = ops.topk(scores + self.bias, self.top_k)
         w = ops.gather_elements(scores, 1, idx)
-        w = w / (w.sum(axis=1, keepdims=True) + 1e-20)
+        w = w / (w.sum(axis=1, keepdims=True) + 1e-20) * self.scale
         out = ops.zeros_like(x)
         for e in range(self.num_experts):
             we = (w * (idx == e).astype(w.dtype)).sum(axis=1, keepdims=True)  # 0 when not routed
@@ -59,12 +76,12 @@ class ForwardBackward(nn.Cell):
 
     def __init__(self, layer):
         super().__init__()
-        self.layer = layer
+        self.objective = _Objective(layer)
         self.grad = ops.GradOperation(get_all=True, get_by_list=True)
         self.weights = ms.ParameterTuple(layer.trainable_params())
 
     def construct(self, x, cotangent):
-        return self.grad(_Objective(self.layer), self.weights)(x, cotangent)
+        return self.grad(self.objective, self.weights)(x, cotangent)
 
 
 class _Objective(nn.Cell):
@@ -75,6 +92,66 @@ class _Objective(nn.Cell):
     def construct(self, x, cotangent):
         return (self.layer(x) * cotangent).sum()
 
+
+# -- transformers ---------------------------------------------------------------------------------
+
+def deepseek_block(a, rng):
+    """transformers' DeepseekV3MoE with random weights (float32), its config, and torch."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa
+
+    # MindSpore sets OMP_NUM_THREADS=1 when it is imported: give torch every core explicitly
+    torch.set_num_threads(cores())
+    config = transformers.DeepseekV3Config(
+        hidden_size=a.hidden, intermediate_size=a.ffn, moe_intermediate_size=a.ffn,
+        n_routed_experts=a.experts, num_experts_per_tok=a.top_k, n_group=1, topk_group=1,
+        n_shared_experts=a.shared, routed_scaling_factor=1.0, norm_topk_prob=True,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=16)
+    block = DeepseekV3MoE(config).float()
+    with torch.no_grad():
+        for key, value in block.state_dict().items():
+            scale = 0.05 if key.startswith("gate.") else value.shape[-1] ** -0.5
+            value.copy_(torch.from_numpy(rng.normal(0, scale, tuple(value.shape)).astype(np.float32)))
+    return block, config, torch
+
+
+def our_layer(block, config):
+    layer = MoELayer.from_config(moe_config_from_transformers(config))
+    state = {k: v.detach().numpy().copy() for k, v in block.state_dict().items()}
+    params = convert_deepseek_v3_moe(state, "", "")
+    ms.load_param_into_net(layer, {k: Parameter(Tensor(v), name=k) for k, v in params.items()})
+    return layer
+
+
+def torch_step(torch, block, x, cotangent):
+    """forward + backward of sum(block(x) * cotangent) -> d/dx (parameter grads accumulate)."""
+    def run():
+        for p in block.parameters():
+            p.grad = None
+        xi = x.detach().requires_grad_(True)
+        (block(xi) * cotangent).sum().backward()
+        return xi.grad
+    return run
+
+
+def grouped_mm_block(torch, block, config):
+    """The same block with transformers' grouped_mm experts, or None when they cannot run here."""
+    import copy  # pylint: disable=import-outside-toplevel
+
+    other = copy.deepcopy(block)
+    other.config._experts_implementation = "grouped_mm"  # pylint: disable=protected-access
+    other.experts.config = other.config
+    try:
+        with torch.no_grad():
+            other(torch.zeros(8, config.hidden_size))
+    except Exception as err:  # pylint: disable=broad-except
+        print(f"(grouped_mm experts do not run here: {type(err).__name__}: {err})")
+        return None
+    return other
+
+
+# -- numpy and bare BLAS --------------------------------------------------------------------------
 
 def numpy_forward(x, p, top_k, shared):
     scores = 1 / (1 + np.exp(-(x @ p["router.weight"].T)))
@@ -97,15 +174,50 @@ def numpy_forward(x, p, top_k, shared):
     return out
 
 
-def timed(fn, repeats, warmup=2):
-    for _ in range(warmup):
-        sync(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        sync(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+def product_shapes(t, h, f, counts, shared_f):
+    """(m, k, n) of every matrix product in one forward + backward of the layer."""
+    shapes = []
+
+    def dense(m, k, n):  # y = a @ b: forward, then d(a) = dy @ b^T and d(b) = a^T @ dy
+        shapes.extend([(m, k, n), (m, n, k), (k, m, n)])
+
+    dense(t, h, len(counts))  # router
+    for c in counts:
+        if c:
+            dense(c, h, 2 * f)
+            dense(c, f, h)
+    if shared_f:
+        dense(t, h, 2 * shared_f)
+        dense(t, shared_f, h)
+    return shapes
+
+
+def bare_blas(shapes, rng, threads):
+    """The given products as single sgemm calls of the BLAS the kernels link (scipy-openblas32,
+    on `threads` threads) on preallocated operands: the BLAS and nothing else."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+    import scipy_openblas32  # pylint: disable=import-outside-toplevel
+
+    lib = ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(),
+                                   f"lib{scipy_openblas32.get_library()}.so"))
+    sgemm = lib.scipy_cblas_sgemm
+    sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
+                                           ctypes.c_void_p, ctypes.c_int]
+    shapes = [(int(m), int(k), int(n)) for m, k, n in shapes]
+    operands = [(m, k, n, rng.standard_normal((m, k), np.float32),
+                 rng.standard_normal((k, n), np.float32), np.empty((m, n), np.float32))
+                for m, k, n in shapes]
+    row_major, no_trans = 101, 111
+
+    def run():
+        before = lib.scipy_openblas_get_num_threads()
+        lib.scipy_openblas_set_num_threads(threads)
+        for m, k, n, a, b, c in operands:
+            sgemm(row_major, no_trans, no_trans, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data, n,
+                  0.0, c.ctypes.data, n)
+        lib.scipy_openblas_set_num_threads(before)
+    return run
 
 
 def sync(result):
@@ -114,58 +226,98 @@ def sync(result):
             sync(r)
     elif isinstance(result, Tensor):
         result.asnumpy()
+    return result
+
+
+def print_table(title, rows, flops, ours):
+    print(f"\n{title}")
+    print(f"  {'contender':<44} {'ms':>9} {'GFLOP/s':>8}  {'ms_moe_ops is':>16}")
+    for name, sec in rows.items():
+        ratio = "" if name == ours else f"{sec / rows[ours]:.2f}x faster"
+        print(f"  {name:<44} {sec * 1e3:9.1f} {flops / sec / 1e9:8.1f}  {ratio:>16}")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ffn", type=int, default=256)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--shared", type=int, default=0, help="shared experts (0 = none)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--shared", type=int, default=1, help="shared experts (0 = none)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--composed", action="store_true", help="also the MindSpore-ops composition")
+    ap.add_argument("--pynative", action="store_true", help="also MoELayer in PyNative mode")
     args = ap.parse_args()
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
 
-    t, h = args.tokens, args.hidden
-    layer = MoELayer(h, args.ffn, args.experts, args.top_k, n_shared_experts=args.shared)
-    layer.router.weight.set_data(Tensor(np.random.default_rng(0).normal(0, 0.05, (args.experts, h))
-                                        .astype(np.float32)))
-    composed = ComposedMoE(layer)
-    rng = np.random.default_rng(1)
+    t, h, k = args.tokens, args.hidden, args.top_k
+    rng = np.random.default_rng(0)
+    block, config, torch = deepseek_block(args, rng)
+    layer = our_layer(block, config)
     x_np = rng.normal(0, 1, (t, h)).astype(np.float32)
-    x, cot = Tensor(x_np), Tensor(rng.normal(0, 1, (t, h)).astype(np.float32))
+    cot_np = rng.normal(0, 1, (t, h)).astype(np.float32)
+    x, cot = Tensor(x_np), Tensor(cot_np)
+    xt, cott = torch.from_numpy(x_np), torch.from_numpy(cot_np)
     params = {n: p.asnumpy() for n, p in layer.parameters_and_names()}
 
-    ours_fwd, ref_fwd = layer(x).asnumpy(), composed(x).asnumpy()
-    np_out = numpy_forward(x_np, params, args.top_k, args.shared)
-    print(f"T={t} H={h} F={args.ffn} E={args.experts} K={args.top_k} shared={args.shared} "
-          f"(GRAPH mode, {args.repeats} runs, median)")
-    print(f"max |ours - composed| = {np.abs(ours_fwd - ref_fwd).max():.2e}, "
-          f"max |ours - numpy| = {np.abs(ours_fwd - np_out).max():.2e}")
+    ours = layer(x).asnumpy()
+    with torch.no_grad():
+        theirs = block(xt).numpy()
+    numpy_out = numpy_forward(x_np, params, k, args.shared)
+    print(f"T={t} H={h} F={args.ffn} E={args.experts} K={k} shared={args.shared}, float32, "
+          f"{cores()} cores, GRAPH mode; median of {args.repeats} rounds, contenders in turns")
+    print(f"max |ours - DeepseekV3MoE| = {np.abs(ours - theirs).max():.2e}, "
+          f"max |ours - numpy| = {np.abs(ours - numpy_out).max():.2e}")
+    idx = np.argsort(-(1 / (1 + np.exp(-(x_np @ params["router.weight"].T)))), 1,
+                     kind="stable")[:, :k]
+    counts = np.bincount(idx.reshape(-1), minlength=args.experts)
+    shapes = product_shapes(t, h, args.ffn, counts, args.ffn * args.shared)
+    train_flops = sum(2 * m * kk * n for m, kk, n in shapes)
+    fwd_flops = train_flops / 3
 
-    ours_step, ref_step = ForwardBackward(layer), ForwardBackward(composed)
-    results = {
-        "ours forward": timed(lambda: layer(x), args.repeats),
-        "composed forward": timed(lambda: composed(x), args.repeats),
-        "numpy forward": timed(lambda: numpy_forward(x_np, params, args.top_k, args.shared),
-                               args.repeats, warmup=1),
-        "ours forward+backward": timed(lambda: ours_step(x, cot), args.repeats),
-        "composed forward+backward": timed(lambda: ref_step(x, cot), args.repeats),
-    }
-    # useful work: the routed tokens' expert matmuls (3 GEMMs of T*K x H x F) and the router
-    flops = 2 * t * args.top_k * h * args.ffn * 3 + 2 * t * h * args.experts
-    flops += 2 * t * h * args.ffn * args.shared * 3
-    for name, sec in results.items():
-        work = flops * (3 if "backward" in name else 1)
-        print(f"{name:28s} {sec * 1e3:9.1f} ms   {work / sec / 1e9:6.1f} useful GFLOP/s")
-    print(f"speed-up over composed: forward {results['composed forward'] / results['ours forward']:.1f}x, "
-          f"forward+backward "
-          f"{results['composed forward+backward'] / results['ours forward+backward']:.1f}x; "
-          f"over numpy forward {results['numpy forward'] / results['ours forward']:.1f}x")
+    ours_name = "ms_moe_ops MoELayer (GRAPH)"
+    fwd = [(ours_name, lambda: layer(x).asnumpy()),
+           ("transformers DeepseekV3MoE (torch)", lambda: _no_grad(torch, block, xt)),
+           ("numpy", lambda: numpy_forward(x_np, params, k, args.shared))]
+    step = ForwardBackward(layer)
+    train = [(ours_name, lambda: sync(step(x, cot))),
+             ("transformers DeepseekV3MoE (torch)", torch_step(torch, block, xt, cott))]
+    grouped = grouped_mm_block(torch, block, config)
+    if grouped is not None:
+        train.append(("transformers DeepseekV3MoE, grouped_mm", torch_step(torch, grouped, xt, cott)))
+    blas_names = [f"bare BLAS: the same products, {n} thread{'s' * (n > 1)}"
+                  for n in sorted({cores(), 1}, reverse=True)]
+    for name in blas_names:
+        train.append((name, bare_blas(shapes, rng, int(name.split(", ")[1].split()[0]))))
+    if args.pynative:
+        def pynative():
+            ms.set_context(mode=ms.PYNATIVE_MODE)
+            try:
+                return sync(ms.grad(lambda a: (layer(a) * cot).sum(), 0,
+                                    layer.trainable_params())(x))
+            finally:
+                ms.set_context(mode=ms.GRAPH_MODE)
+        train.append(("ms_moe_ops MoELayer (PyNative)", pynative))
+    if args.composed:
+        composed = ComposedMoE(layer)
+        composed_step = ForwardBackward(composed)
+        fwd.append(("MindSpore ops composed (GRAPH)", lambda: composed(x).asnumpy()))
+        train.append(("MindSpore ops composed (GRAPH)", lambda: sync(composed_step(x, cot))))
+
+    print_table("forward", timed_together(fwd, args.repeats), fwd_flops, ours_name)
+    rows = timed_together(train, args.repeats)
+    print_table("forward + backward", rows, train_flops, ours_name)
+    blas = min(rows[name] for name in blas_names)  # the faster BLAS run is the reference
+    print(f"\ngoals: forward+backward {rows['transformers DeepseekV3MoE (torch)'] / rows[ours_name]:.2f}x "
+          f"transformers (>= 2.5x); {blas / rows[ours_name]:.0%} of the bare-BLAS GFLOP/s (>= 60%)")
+
+
+def _no_grad(torch, block, x):
+    with torch.no_grad():
+        return block(x)
 
 
 if __name__ == "__main__":

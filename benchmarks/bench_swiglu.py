@@ -4,8 +4,8 @@ many bytes as the operator reads plus writes).
 
     python benchmarks/bench_swiglu.py [--tokens 8192] [--hidden 2048] [--dtypes float32 bfloat16]
 
-"ms_moe_ops" is the operator in a GRAPH-mode Cell (like the composed version); its PyNative
-call is listed too. Both directions use every input (per-token weight, group_index covering all rows, clamp on), so
+"ms_moe_ops" is the operator in a GRAPH-mode Cell (like the composed version). Every contender,
+the copy included, runs once per round, in turns; the tables give medians. Both directions use every input (per-token weight, group_index covering all rows, clamp on), so
 the backward also produces the weight's gradient: the heaviest path.
 """
 import argparse
@@ -16,7 +16,7 @@ from mindspore import nn, ops
 
 from ms_moe_ops.ops import swiglu_group_quant_grad
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
-from common import timeit
+from common import timed_together
 
 CLAMP = 7.0
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -89,22 +89,24 @@ def numpy_backward(grad_y, x, weight, y_origin):
     return np.concatenate([da, db], axis=1), grad_w
 
 
-def copy_time(nbytes, repeat):
-    """Time of np.copyto moving nbytes in total (nbytes/2 read + nbytes/2 written)."""
+def copier(nbytes):
+    """np.copyto moving nbytes in total (nbytes/2 read + nbytes/2 written)."""
     src = np.ones(nbytes // 2, np.uint8)
     dst = np.zeros_like(src)
-    return timeit(lambda: np.copyto(dst, src), repeat=repeat)
+    return lambda: np.copyto(dst, src)
 
 
-def report(name, nbytes, times, copy):
+COPY = "np.copyto, same bytes"
+
+
+def report(name, nbytes, times):
     ours = times["ms_moe_ops"]
     gbs = lambda sec: nbytes / sec / 1e9
-    print(f"  {name}: {nbytes / 2**20:.0f} MiB moved; np.copyto of the same bytes {copy * 1e3:.1f} ms "
-          f"({gbs(copy):.1f} GB/s)")
+    print(f"  {name}: {nbytes / 2**20:.0f} MiB moved (median of rounds, contenders in turns)")
     for label, sec in times.items():
-        print(f"    {label:<22} {sec * 1e3:9.1f} ms {gbs(sec):7.1f} GB/s  "
-              f"ms_moe_ops is {sec / ours:5.2f}x as fast")
-    print(f"    ms_moe_ops reaches {copy / ours:.0%} of the copy bandwidth")
+        ratio = "" if label == "ms_moe_ops" else f"ms_moe_ops is {sec / ours:5.2f}x as fast"
+        print(f"    {label:<22} {sec * 1e3:9.1f} ms {gbs(sec):7.1f} GB/s  {ratio}")
+    print(f"    ms_moe_ops reaches {times[COPY] / ours:.0%} of the copy bandwidth")
 
 
 def main():
@@ -112,7 +114,7 @@ def main():
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=7)
     args = p.parse_args()
     ms.set_context(device_target="CPU")
     t, h = args.tokens, args.hidden
@@ -132,39 +134,24 @@ def main():
 
         # forward: reads x and weight, writes y and y_origin
         fwd_bytes = t * 2 * h * e + t * 4 + 2 * t * h * e
-        ms.set_context(mode=ms.PYNATIVE_MODE)
-        ours = lambda: sync(SWIGLU_GROUP(x, w, counts, clamp_limit=CLAMP))
-        pynative = timeit(ours, repeat=args.repeat)
-        y_origin = ours()[1]
-        ms.set_context(mode=ms.GRAPH_MODE)
-        cell = OursForward()
-        times = {"ms_moe_ops": timeit(lambda: sync(cell(x, w, counts)), repeat=args.repeat),
-                 "ms_moe_ops PyNative": pynative}
-        composed = ComposedForward()
-        times["MindSpore composed"] = timeit(lambda: sync(composed(x, w, counts)), repeat=args.repeat)
-        ms.set_context(mode=ms.PYNATIVE_MODE)
-        if dtype == "float32":
-            times["numpy"] = timeit(lambda: numpy_forward(x_np, w_np), repeat=args.repeat)
-        report("forward", fwd_bytes, times, copy_time(fwd_bytes, args.repeat))
-
+        y_origin = SWIGLU_GROUP(x, w, counts, clamp_limit=CLAMP)[1]
+        fwd, comp_fwd = OursForward(), ComposedForward()
         # backward: reads grad_y, x, weight, y_origin; writes grad_x and grad_weight
         bwd_bytes = t * h * e + t * 2 * h * e + t * 4 + t * h * e + t * 2 * h * e + t * 4
-        ours = lambda: sync(swiglu_group_quant_grad(gy, x, w, y_origin, counts, clamp_limit=CLAMP))
-        pynative = timeit(ours, repeat=args.repeat)
-        ms.set_context(mode=ms.GRAPH_MODE)
-        cell = OursBackward()
-        times = {"ms_moe_ops": timeit(lambda: sync(cell(gy, x, w, y_origin, counts)),
-                                           args.repeat),
-                 "ms_moe_ops PyNative": pynative}
-        composed = ComposedBackward()
-        times["MindSpore composed"] = timeit(
-            lambda: sync(composed(gy, x, w, y_origin, counts)), args.repeat)
+        bwd, comp_bwd = OursBackward(), ComposedBackward()
+        yo_np = y_origin.asnumpy().astype(np.float32)
+        for name, nbytes, ours, composed, numpy_fn in (
+                ("forward", fwd_bytes, lambda: sync(fwd(x, w, counts)),
+                 lambda: sync(comp_fwd(x, w, counts)), lambda: numpy_forward(x_np, w_np)),
+                ("backward", bwd_bytes, lambda: sync(bwd(gy, x, w, y_origin, counts)),
+                 lambda: sync(comp_bwd(gy, x, w, y_origin, counts)),
+                 lambda: numpy_backward(gy_np, x_np, w_np, yo_np))):
+            ms.set_context(mode=ms.GRAPH_MODE)
+            contenders = [("ms_moe_ops", ours), ("MindSpore composed", composed), (COPY, copier(nbytes))]
+            if dtype == "float32":
+                contenders.append(("numpy", numpy_fn))
+            report(name, nbytes, timed_together(contenders, args.repeat))
         ms.set_context(mode=ms.PYNATIVE_MODE)
-        if dtype == "float32":
-            yo_np = y_origin.asnumpy()
-            times["numpy"] = timeit(lambda: numpy_backward(gy_np, x_np, w_np, yo_np),
-                                         args.repeat)
-        report("backward", bwd_bytes, times, copy_time(bwd_bytes, args.repeat))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Timing helpers shared by the benchmarks."""
+import os
 import statistics
 import time
 
@@ -13,6 +14,26 @@ def timeit(fn, repeat=5, warmup=2):
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def timed_together(contenders, repeat=5, warmup=1):
+    """{name: median seconds} of [(name, fn)]: every contender warmed up (and compiled), then
+    timed in turns, round after round, so that a change in the machine's load hits all alike."""
+    for _, fn in contenders:
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name, _ in contenders}
+    for _ in range(repeat):
+        for name, fn in contenders:
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def cores():
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def report(title, rows, baseline):
