@@ -225,14 +225,16 @@ int gating_backward(const char *op, const Arg &xn, const Arg &gy, const Arg &ei,
     T *out = gx.as<T>() + i * n;
     float gw[kMaxExperts], gn[kMaxExperts], row[kMaxExperts];
     renorm_grad(xr, gr, ir, (int)k, renorm, scale, eps, gw);
+    // gn: the gradient of each chosen expert's score (only those entries are read, except by the
+    // sigmoid with grad_x_norm, which reads them all)
+    if (dr && !softmax) {
+      for (int64_t j = 0; j < n; ++j) gn[j] = 0.f;
+    } else {
+      for (int p = 0; p < k; ++p) gn[ir[p]] = 0.f;
+    }
+    for (int p = 0; p < k; ++p) gn[ir[p]] += gw[p];
     if (!softmax) {
       // sigmoid' = xn (1 - xn); without grad_x_norm, experts not selected get exactly zero
-      if (dr) {
-        for (int64_t j = 0; j < n; ++j) gn[j] = 0.f;
-      } else {
-        for (int p = 0; p < k; ++p) gn[ir[p]] = 0.f;
-      }
-      for (int p = 0; p < k; ++p) gn[ir[p]] += gw[p];
       if (dr) {
         for (int64_t j = 0; j < n; ++j) {
           const float d = xr[j] * (1.f - xr[j]);
@@ -247,9 +249,7 @@ int gating_backward(const char *op, const Arg &xn, const Arg &gy, const Arg &ei,
         }
       }
     } else {
-      // softmax': xn_j (gn_j - sum_l xn_l gn_l), with gn + grad_x_norm for gn
-      for (int p = 0; p < k; ++p) gn[ir[p]] = 0.f;
-      for (int p = 0; p < k; ++p) gn[ir[p]] += gw[p];
+      // softmax': xn_j (gn_j - sum_l xn_l gn_l), and the same of grad_x_norm
       float dot = 0.f;
       for (int p = 0; p < k; ++p) dot += xr[ir[p]] * gw[p];
       for (int64_t j = 0; j < n; ++j) row[j] = -xr[j] * dot;
