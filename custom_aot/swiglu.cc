@@ -224,11 +224,24 @@ inline void output(const float *src, T *dst, int64_t n, bool stream) {
   }
 }
 
+// Asks for the two halves' next block while this one is computed and written (the hardware
+// prefetcher alone leaves the forward at two thirds of the copy bandwidth: its reads and its
+// streamed writes alternate).
+template <typename T>
+inline void prefetch_next(const T *x, int64_t j, int64_t h) {
+  constexpr int64_t kLine = 64 / sizeof(T), kAhead = 4 * kBlock;
+  for (int64_t p = j + kAhead; p < j + kAhead + kBlock; p += kLine) {
+    __builtin_prefetch(x + p);  // past the row's end: the next row's (prefetches never fault)
+    __builtin_prefetch(x + h + p);
+  }
+}
+
 template <typename T, bool kClamp>
 void swiglu_row(const T *x, int64_t h, float c, float w, T *y, T *y_origin, bool stream) {
   float a[kBlock], b[kBlock], fy[kBlock], fyo[kBlock];
   for (int64_t j = 0; j < h; j += kBlock) {
     const int64_t n = std::min(kBlock, h - j);
+    prefetch_next(x, j, h);
     float *ty = target(y + j, fy, stream), *tyo = target(y_origin + j, fyo, stream);
     swiglu_block<kClamp>(input(x + j, a, n), input(x + h + j, b, n), n, c, w, ty, tyo);
     if (ty == fy) output(fy, y + j, n, stream);
