@@ -20,7 +20,7 @@ from mindspore import Tensor
 ms.set_device("CPU")
 import ms_moe_ops as mo
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD
-from ms_moe_ops.ops.gating import GATING_SOFTMAX_BACKWARD
+from ms_moe_ops.ops.gating import GATING_GRAD, GATING_SOFTMAX_BACKWARD
 from ms_moe_ops.ops.permute import moe_token_unpermute_backward
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
 
@@ -34,6 +34,9 @@ out["router"] = y.asnumpy()
 gy = rng.normal(size=(700, 8))
 out["router_bwd"] = mo.moe_gating_top_k_backward(xn, f32(gy), idx).asnumpy()
 out["router_softmax_bwd"] = GATING_SOFTMAX_BACKWARD(xn, f32(gy), idx, renorm=1).asnumpy()
+dxn = f32(rng.normal(size=(700, 256)))
+out["router_grad"] = GATING_GRAD(xn, f32(gy), idx, dxn).asnumpy()
+out["router_grad_softmax"] = GATING_GRAD(xn, f32(gy), idx, dxn, norm_type=0, renorm=1).asnumpy()
 sx = rng.normal(size=(600, 1040))
 w = rng.uniform(0.1, 1, (600, 1))
 y, yo = SWIGLU_GROUP(bf(sx), f32(w), None, clamp_limit=1.5)

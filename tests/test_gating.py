@@ -226,23 +226,28 @@ def test_x_norm_output_gradient_flows(rng):
     np.testing.assert_allclose(g, fd, atol=1e-5)
 
 
-@pytest.mark.parametrize("renorm", [0, 1])
-def test_softmax_x_norm_gradient_finite_differences(mode, renorm, rng):
-    # softmax scores: d x_norm / d x = diag(s) - s s^T, both terms (finite differences of a
-    # plain numpy softmax, not the reference model); y's gradient flows at the same time
+@pytest.mark.parametrize("norm_type,renorm", [(0, 0), (0, 1), (1, 1)])
+def test_x_norm_and_y_gradient_finite_differences(mode, norm_type, renorm, rng):
+    # both outputs' gradients at once (the router's bprop, one moe_gating_top_k_grad call);
+    # softmax scores: d x_norm / d x = diag(s) - s s^T, both terms; finite differences of a plain
+    # numpy softmax or sigmoid, not the reference model
     x = distinct_logits(3, 8, seed=5)
     c, cy = rng.normal(size=(3, 8)), rng.normal(size=(3, 3))
 
     def loss(x):
-        y, _, xn = moe_gating_top_k(x, 3, norm_type=0, renorm=renorm)
+        y, _, xn = moe_gating_top_k(x, 3, norm_type=norm_type, renorm=renorm)
         return (xn * Tensor(c, ms.float32)).sum() + (y * Tensor(cy, ms.float32)).sum()
 
     g = numpy(grad(loss, Tensor(x.astype(np.float32)), mode=mode))
-    idx = ref.moe_gating_top_k(x, 3, norm_type=0)[1]  # fixed: the selection is piecewise constant
+    # fixed: the selection is piecewise constant
+    idx = ref.moe_gating_top_k(x, 3, norm_type=norm_type)[1]
 
     def numpy_loss(v):
-        e = np.exp(v - v.max(axis=1, keepdims=True))
-        s = e / e.sum(axis=1, keepdims=True)
+        if norm_type == 0:
+            e = np.exp(v - v.max(axis=1, keepdims=True))
+            s = e / e.sum(axis=1, keepdims=True)
+        else:
+            s = 1 / (1 + np.exp(-v))
         w = np.take_along_axis(s, idx, 1)
         if renorm:
             w = w / w.sum(axis=1, keepdims=True)
@@ -316,6 +321,32 @@ def test_backward_index_out_of_range_is_a_clean_error(bad, mode):
     fn = lambda a, b, c: moe_gating_top_k_backward(a, b, c)  # noqa: E731
     with pytest.raises(RuntimeError):
         numpy(run(fn, XN, GY, Tensor(idx), mode=mode))
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda: GATING_GRAD(XN, GY, IDX, Tensor(SEED_X_NORM.astype(np.float16))), TypeError,
+     "moe_gating_top_k_grad.*'grad_x_norm'"),
+    (lambda: GATING_GRAD(XN, GY, IDX, Tensor(SEED_X_NORM[:, :4].copy())), ValueError,
+     "moe_gating_top_k_grad.*'grad_x_norm'"),
+    (lambda: GATING_GRAD(XN, GY, IDX, XN, norm_type=2), ValueError, "'norm_type'"),
+    (lambda: GATING_GRAD(XN, GY, IDX, XN, norm_type=0, renorm=2), ValueError, "'renorm'"),
+    (lambda: GATING_GRAD(XN, Tensor(SEED_GRAD_Y.astype(np.int32)), IDX, XN), TypeError, "'grad_y'"),
+    (lambda: GATING_GRAD(XN, GY, Tensor(SEED_IDX.astype(np.int64)), None), TypeError, "'expert_idx'"),
+    (lambda: GATING_GRAD(XN, Tensor(SEED_GRAD_Y[:3].copy()), IDX, XN), ValueError, "'grad_y'"),
+])
+def test_whole_backward_bad_inputs(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+@cpu_only("a data fault is found by this package's CPU kernels")
+@pytest.mark.parametrize("norm_type", [0, 1])
+def test_whole_backward_index_out_of_range_is_a_clean_error(norm_type, mode):
+    idx = SEED_IDX.copy()
+    idx[1, 0] = 8
+    fn = lambda a, b, c, d: GATING_GRAD(a, b, c, d, norm_type=norm_type)  # noqa: E731
+    with pytest.raises(RuntimeError):
+        numpy(run(fn, XN, GY, Tensor(idx), XN, mode=mode))
 
 
 # -- the Cell ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from mindspore import Tensor
 from ms_moe_ops import (grouped_matmul, moe_ffn, moe_gating_top_k, moe_gating_top_k_backward,
                         moe_token_unpermute, reference as ref)
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD
-from ms_moe_ops.ops.gating import GATING_SOFTMAX_BACKWARD
+from ms_moe_ops.ops.gating import GATING_GRAD, GATING_SOFTMAX_BACKWARD
 from ms_moe_ops.ops.permute import moe_token_unpermute_backward
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, swiglu_group_quant_grad
 from conftest import assert_rounded, numpy, rounded, tensor
@@ -71,6 +71,21 @@ def test_router_softmax_backward(dtype, renorm, rng):
     scale = 1.5 * np.abs(gy).sum(1, keepdims=True) * (4.0 if renorm else 1.0) / (
         np.take_along_axis(xn, idx, 1).sum(1, keepdims=True) if renorm else 1.0)
     assert_rounded(numpy(out), exact, dtype, err=16 * EPS32 * xn * scale)
+
+
+@HALF
+@pytest.mark.parametrize("norm_type", [0, 1])
+def test_router_whole_backward(dtype, norm_type, rng):
+    # moe_gating_top_k_grad: grad_y's and grad_x_norm's parts added in float32, rounded once
+    xn, gy, idx = _router_grad_inputs(rng, dtype, softmax=norm_type == 0)
+    dxn = rng.normal(size=xn.shape).astype(np.float32)
+    out = GATING_GRAD(Tensor(xn), tensor(gy, dtype), Tensor(idx), Tensor(dxn), norm_type=norm_type,
+                      renorm=1, routed_scaling_factor=1.5)
+    exact = ref.moe_gating_top_k_grad(xn, gy, idx, dxn, norm_type, 1, 1.5)
+    # every term is at most xn times the sum of the magnitudes it is made of
+    size = 1.5 * 4.0 * np.abs(gy).sum(1, keepdims=True) / np.take_along_axis(
+        xn, idx, 1).sum(1, keepdims=True) + 2 * np.abs(dxn).sum(1, keepdims=True)
+    assert_rounded(numpy(out), exact, dtype, err=16 * EPS32 * xn * size)
 
 
 def _swiglu_inputs(rng, dtype, rows=5, h=40):

@@ -347,6 +347,12 @@ def _infer_grad_dtype(a, x_norm, grad_y, expert_idx, grad_x_norm):
     return _backward_infer(_GRAD, 1)[1](a, x_norm, grad_y, expert_idx)
 
 
+def _check_grad_attrs(a):
+    for name in ("norm_type", "renorm"):
+        if a[name] not in (0, 1):
+            raise ValueError(f"{_GRAD}: attribute '{name}' must be 0 or 1, got {a[name]}")
+
+
 def _grad_composed(a):
     """The backward through y (moe_gating_top_k_backward, or the softmax one) plus the score
     function's derivative applied to grad_x_norm, as separate operators."""
@@ -355,19 +361,20 @@ def _grad_composed(a):
     one_expert = _sigmoid_backward_composed(a)  # N = 1, below the backward operator's N >= 2
 
     def grad(x_norm, grad_y, expert_idx, grad_x_norm):
+        # both parts in float32, rounded to grad_y's dtype once (as the kernel does)
+        gy = grad_y.astype(ms.float32)
         if sigmoid and x_norm.shape[1] == 1:
-            g = one_expert(x_norm, grad_y, expert_idx)
+            g = one_expert(x_norm, gy, expert_idx)
         elif sigmoid:
-            g = moe_gating_top_k_backward(x_norm, grad_y, expert_idx, **args)
+            g = moe_gating_top_k_backward(x_norm, gy, expert_idx, **args)
         else:
-            g = GATING_SOFTMAX_BACKWARD(x_norm, grad_y, expert_idx, renorm=a["renorm"], **args)
-        if grad_x_norm is None:
-            return g
-        if sigmoid:
-            direct = x_norm * (1 - x_norm) * grad_x_norm
-        else:
-            direct = x_norm * (grad_x_norm - (x_norm * grad_x_norm).sum(axis=-1, keepdims=True))
-        return g + direct.astype(g.dtype)
+            g = GATING_SOFTMAX_BACKWARD(x_norm, gy, expert_idx, renorm=a["renorm"], **args)
+        if grad_x_norm is not None:
+            if sigmoid:
+                g = g + x_norm * (1 - x_norm) * grad_x_norm
+            else:
+                g = g + x_norm * (grad_x_norm - (x_norm * grad_x_norm).sum(axis=-1, keepdims=True))
+        return g.astype(grad_y.dtype)
 
     return grad
 
@@ -382,6 +389,7 @@ GATING_GRAD = OpDef(
     outputs=("grad_x",),
     attrs=(Attr("norm_type", int, 1), Attr("renorm", int, 0),
            Attr("routed_scaling_factor", float, 1.0), Attr("eps", float, 1e-20)),
+    check_attrs=_check_grad_attrs,
     infer=_infer_grad,
     infer_dtype=_infer_grad_dtype,
     impls=(kernel("MoeGatingTopKGrad"), composition(_grad_composed)),
