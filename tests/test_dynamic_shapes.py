@@ -10,6 +10,7 @@ from mindspore import Tensor, nn
 from ms_moe_ops import (GatingTopK, MoELayer, MoeFFN, grouped_matmul, moe_ffn, moe_gating_top_k,
                         moe_gating_top_k_backward, moe_token_permute, moe_token_unpermute,
                         moe_token_unpermute_backward, swiglu_group, swiglu_group_quant_grad)
+from ms_moe_ops.ops.gating import GATING_GRAD
 from conftest import numpy, tensor
 
 TOKENS = (3, 5, 8)
@@ -103,6 +104,9 @@ def _ops(rng):
         x_norm = _uniform(rng, t, E)
         return x_norm, _normal(rng, t, K), np.argsort(-x_norm, 1)[:, :K].astype(np.int32)
 
+    def whole_backward(t):
+        return backward(t) + (_normal(rng, t, E),)
+
     def swiglu(t):
         return _normal(rng, t, 2 * H), _uniform(rng, t, 1)
 
@@ -137,6 +141,7 @@ def _ops(rng):
     return {
         "moe_gating_top_k": (_gating, gating, [{0}], (0,)),
         "moe_gating_top_k_backward": (moe_gating_top_k_backward, backward, [{0}, {0}, {0}], None),
+        "moe_gating_top_k_grad": (_whole_backward, whole_backward, [{0}] * 4, None),
         "swiglu_group": (swiglu_group, swiglu, [{0}, {0}], (0, 1)),
         "swiglu_group_quant_grad": (swiglu_group_quant_grad, swiglu_grad, [{0}] * 4, None),
         "moe_ffn": (_ffn, experts, [{0}, set(), set(), set()], (0, 2, 3)),
@@ -153,6 +158,10 @@ def _ops(rng):
 # (functions, not lambdas: GRAPH mode compiles them)
 def _gating(x):
     return moe_gating_top_k(x, K)
+
+
+def _whole_backward(x_norm, grad_y, expert_idx, grad_x_norm):
+    return GATING_GRAD(x_norm, grad_y, expert_idx, grad_x_norm, renorm=1)
 
 
 def _ffn(x, counts, w1, w2):
