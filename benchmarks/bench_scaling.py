@@ -3,6 +3,8 @@
 side with transformers' DeepseekV3MoE on the same weights (see bench_layer.py).
 
     python benchmarks/bench_scaling.py [--plot benchmarks/scaling.png] [--csv benchmarks/scaling.csv]
+    python benchmarks/bench_scaling.py --sweeps tokens       # one sweep only
+    python benchmarks/bench_scaling.py --from-csv benchmarks/scaling.csv --plot out.png
 
 Prints one table per sweep (ms per step, tokens/s, useful GFLOP/s, time relative to the first row,
 and DeepseekV3MoE's time as a ratio); --csv keeps the rows, --plot draws both sweeps.
@@ -97,16 +99,31 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--plot", default=None, help="PNG of both sweeps")
     ap.add_argument("--csv", default=None, help="the rows as CSV")
+    ap.add_argument("--sweeps", nargs="+", default=["tokens", "experts"],
+                    choices=["tokens", "experts"], help="which sweeps to run")
+    ap.add_argument("--from-csv", default=None,
+                    help="no measurement: the rows of an earlier --csv (e.g. to --plot them)")
     a = ap.parse_args()
+    if a.from_csv:
+        with open(a.from_csv, newline="", encoding="utf-8") as f:
+            rows = [{k: v if k == "sweep" else float(v) for k, v in r.items()}
+                    for r in csv.DictReader(f)]
+        if a.plot:
+            plot(rows, a.plot)
+        return
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
     rng = np.random.default_rng(0)
     print(f"MoELayer forward+backward, H={a.hidden} F={a.ffn} K={a.top_k} shared={a.shared}, "
           f"float32, GRAPH mode, {cores()} cores; median of {a.repeats} rounds, in turns")
-    rows = sweep("tokens (E fixed)", [(t, a.experts) for t in (1024, 2048, 4096, 8192, 16384)], a, rng)
-    rows += sweep("experts (T, K, F fixed: same active FLOPs)",
-                  [(a.tokens, e) for e in (8, 16, 32, 64, 128, 256)], a, rng)
+    rows = []
+    if "tokens" in a.sweeps:
+        rows += sweep("tokens (E fixed)", [(t, a.experts) for t in (1024, 2048, 4096, 8192, 16384)],
+                      a, rng)
+    if "experts" in a.sweeps:
+        rows += sweep("experts (T, K, F fixed: same active FLOPs)",
+                      [(a.tokens, e) for e in (8, 16, 32, 64, 128, 256)], a, rng)
     if a.csv:
         with open(a.csv, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
