@@ -234,6 +234,16 @@ def check_case(kernel, a, ins, outs, dtypes):
                   routed_scaling_factor=a["routed_scaling_factor"], eps=a["eps"])
         close("grad_x", outs["grad_x"], want, dtypes["grad_y"], tol=max(TOL[dtypes["grad_y"]], 1e-4))
         return True
+    if kernel == "MoeGatingTopKGrad":
+        if not moderate(ins["x_norm"], ins["grad_y"], ins["grad_x_norm"]):
+            return False
+        want = ref.moe_gating_top_k_grad(ins["x_norm"], ins["grad_y"], ins["expert_idx"],
+                                         ins["grad_x_norm"], norm_type=a["norm_type"],
+                                         renorm=a["renorm"],
+                                         routed_scaling_factor=a["routed_scaling_factor"],
+                                         eps=a["eps"])
+        close("grad_x", outs["grad_x"], want, dtypes["grad_y"], tol=max(TOL[dtypes["grad_y"]], 1e-4))
+        return True
     if kernel == "SwigluGroup":
         x, w, gi, c = ins["x"], ins["weight"], ins["group_index"], a["clamp_limit"]
         if not moderate(x, w) or not np.isfinite(c) or x.shape[-1] == 0:  # (2H = 0: no operator call)

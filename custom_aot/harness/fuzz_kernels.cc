@@ -255,10 +255,14 @@ Case gating(Gen &g) {
   return c;
 }
 
+// MoeGatingTopKBackward, MoeGatingTopKSoftmaxBackward, or the whole backward MoeGatingTopKGrad
+// (grad_x_norm given or not, sigmoid or softmax).
 Case gating_backward(Gen &g) {
   Case c;
-  const bool softmax = g.chance(50);
-  c.kernel = softmax ? "MoeGatingTopKSoftmaxBackward" : "MoeGatingTopKBackward";
+  const int64_t which = g.rng().integer(0, 2);
+  const bool whole = which == 2;
+  c.kernel = which == 0 ? "MoeGatingTopKBackward" : which == 1 ? "MoeGatingTopKSoftmaxBackward"
+                                                               : "MoeGatingTopKGrad";
   const int64_t n = g.chance(10) ? g.pick({2048, 1500}) : g.size(1, 64);
   const int64_t k = g.chance(25) ? n : g.size(1, std::min<int64_t>(n, 12));
   const int64_t m = n > 512 ? g.size(0, 3) : g.size(0, 30);
@@ -267,14 +271,15 @@ Case gating_backward(Gen &g) {
   for (int64_t i = 0; i < xn.numel(); ++i)  // scores in [0, 1] mostly
     if (std::isfinite(xn.as<float>()[i])) xn.as<float>()[i] = std::fabs(xn.as<float>()[i]);
   c.inputs = {{"x_norm", xn}, {"grad_y", g.floats(dt, {m, k})}, {"expert_idx", g.ints("int32", {m, k}, 0, n - 1)}};
+  if (whole) c.inputs.push_back({"grad_x_norm", g.chance(70) ? g.floats("float32", {m, n}) : Tensor()});
   c.outputs = {{"grad_x", harness::zeros(dt, {m, n})}};
   c.set_int("renorm", g.rng().integer(0, 1));
-  c.set_int("norm_type", 1);
+  c.set_int("norm_type", whole ? g.rng().integer(0, 1) : 1);
   c.set_float("routed_scaling_factor", 2.5f);
   c.set_float("eps", 1e-20f);
   if (!g.chance(35)) return c;
   c.broken = true;
-  switch (g.rng().integer(0, 4)) {
+  switch (g.rng().integer(0, whole ? 5 : 4)) {
     case 0:
     case 1:
       if (m * k == 0) { c.broken = false; break; }
@@ -288,12 +293,19 @@ Case gating_backward(Gen &g) {
       c.inputs[0].second = g.floats("float32", {m, nn}, 0.5);
       c.inputs[1].second = g.floats(dt, {m, kk});
       c.inputs[2].second = g.ints("int32", {m, kk}, 0, 0);
+      if (whole && c.in("grad_x_norm").dtype != "none") c.in("grad_x_norm") = g.floats("float32", {m, nn});
       c.outputs[0].second = harness::zeros(dt, {m, nn});
       c.what = wide ? "N above 2048" : "K above N";
       break;
     }
     case 3: c.outputs.clear(); c.what = "argument count"; break;
-    default: break_argument(g, c, {"x_norm", "grad_y", "expert_idx", "grad_x"}); break;
+    case 5:  // the whole backward's 0/1 attributes
+      c.set_int(g.chance(50) ? "norm_type" : "renorm", g.pick({2, -1}));
+      c.what = "a 0/1 attribute";
+      break;
+    default:
+      break_argument(g, c, {"x_norm", "grad_y", "expert_idx", "grad_x_norm", "grad_x"});
+      break;
   }
   return c;
 }
