@@ -114,7 +114,9 @@ def rounded(array, dtype):
     return numpy(tensor(np.asarray(array, np.float32), dtype)).astype(np.float64)
 
 
-class _Fn(nn.Cell):
+class FnCell(nn.Cell):
+    """A function as a Cell (GRAPH mode compiles Cells)."""
+
     def __init__(self, fn):
         super().__init__()
         self.fn = fn
@@ -127,7 +129,7 @@ def run(fn, *args, mode="pynative"):
     """Calls fn(*args) in PyNative, or compiled as a GRAPH-mode Cell."""
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     try:
-        return _Fn(fn)(*args)
+        return FnCell(fn)(*args)
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
 
@@ -136,7 +138,7 @@ def grad(fn, *args, mode="pynative", argnums=0):
     """Gradient of the scalar fn(*args) with respect to args[argnums] (an int or a tuple)."""
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     try:
-        return ms.grad(_Fn(fn), grad_position=argnums)(*args)
+        return ms.grad(FnCell(fn), grad_position=argnums)(*args)
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
 

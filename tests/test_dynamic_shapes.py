@@ -11,19 +11,10 @@ from ms_moe_ops import (GatingTopK, MoELayer, MoeFFN, grouped_matmul, moe_ffn, m
                         moe_gating_top_k_backward, moe_token_permute, moe_token_unpermute,
                         moe_token_unpermute_backward, swiglu_group, swiglu_group_quant_grad)
 from ms_moe_ops.ops.gating import GATING_GRAD
-from conftest import numpy, tensor
+from conftest import FnCell, numpy, tensor
 
 TOKENS = (3, 5, 8)
 H, E, K = 8, 4, 2
-
-
-class _Fn(nn.Cell):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def construct(self, *args):
-        return self.fn(*args)
 
 
 class _Grads(nn.Cell):
@@ -187,7 +178,7 @@ OPS = list(_ops(np.random.default_rng(0)))
 @pytest.mark.parametrize("name", OPS)
 def test_operator_forward(name, unknown_rank, rng):
     fn, make, dynamic, _ = _ops(rng)[name]
-    _check_one_compilation(_Fn(fn), make, dynamic, unknown_rank, lambda arrays: _static(fn, arrays))
+    _check_one_compilation(FnCell(fn), make, dynamic, unknown_rank, lambda arrays: _static(fn, arrays))
 
 
 @pytest.mark.parametrize("name", [n for n, case in _ops(np.random.default_rng(0)).items()
