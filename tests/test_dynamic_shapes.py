@@ -266,3 +266,12 @@ def test_training_one_compilation(layout, rng):
     for p, e in zip(params, expected):
         np.testing.assert_allclose(p, e, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(load, expected_load)
+
+
+def test_unknown_rank_after_another_dynamic_graph(rng):
+    """An operator of unknown rank compiled after a dynamic-shape training graph in the same
+    process: the call signature used to loop over a shape of unknown length, whose compiled form,
+    cached across graphs, then failed to join types (found in a random test order)."""
+    test_training_one_compilation("B,S,H", rng)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    test_operator_forward("moe_gating_top_k_backward", True, rng)

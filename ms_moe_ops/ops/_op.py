@@ -83,7 +83,7 @@ class AclnnBinding(NamedTuple):
 
 class TensorInfo(NamedTuple):
     """What an implementation's `supports` sees of an input: dtype name and shape (-1 for a
-    dimension only known at run time)."""
+    dimension only known at run time, (-2,) when even the rank is)."""
     dtype: str
     shape: Tuple[int, ...]
 
@@ -203,6 +203,10 @@ def _signature(inputs):
     for x in inputs:
         if x is None:
             out = out + (None,)
+        elif not F.isconstant(len(x.shape)):
+            # unknown rank: MindSpore's [-2], not a loop over a tuple of unknown length (whose
+            # compiled form, cached across graphs, fails to join after another dynamic graph)
+            out = out + ((x.dtype, (-2,)),)
         else:
             shape = ()
             for d in x.shape:

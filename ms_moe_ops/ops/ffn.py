@@ -206,6 +206,8 @@ FFN_BUILTIN_MAX_DIM = 65536  # aclnnFFN: H and F below it
 def _ffn_builtin_fits(a, args):
     """Where aclnnFFN's contract matches this operator's (CANN FFN operator document)."""
     x, w1 = args["x"].dtype, args["weight1"].shape
+    if len(w1) != 3:
+        return False, "weight1's rank is only known at run time"
     if max(w1[1], w1[2]) >= FFN_BUILTIN_MAX_DIM:
         return False, f"aclnnFFN needs H and F < {FFN_BUILTIN_MAX_DIM}, got weight1 {list(w1)}"
     if x == "float16":

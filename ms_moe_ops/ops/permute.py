@@ -20,6 +20,8 @@ BUILTIN_MAX_TOP_K = 512  # MindSpore's moe_token_permute / unpermute on Ascend
 
 
 def _top_k_within(k):
+    if k < 0:
+        return False, "top-k is only known at run time"
     if k > BUILTIN_MAX_TOP_K:
         return False, f"top-k {k} > {BUILTIN_MAX_TOP_K}"
     return True, ""
@@ -116,7 +118,7 @@ PERMUTE = OpDef(
     impls=(
         kernel("MoeTokenPermute"),
         builtin(_permute_builtin, socs=(A2, A3),
-                supports=lambda a, args: _top_k_within(args["expert_idx"].shape[1])),
+                supports=lambda a, args: _top_k_within(args["expert_idx"].shape[-1])),
         composition(_permute_composed),
     ),
     bprop=_permute_bprop,
@@ -222,7 +224,7 @@ def _unpermute_composed(a):
 
 def _unpermute_top_k(a, args):
     probs = args["probs"]
-    return probs.shape[1] if probs is not None else (a["top_k"] or 1)
+    return probs.shape[-1] if probs is not None else (a["top_k"] or 1)
 
 
 def _unpermute_builtin(a):
