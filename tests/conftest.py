@@ -24,6 +24,20 @@ def pytest_configure(config):
     # come from the test id alone, so a test's data does not depend on the order's seed.
     if config.pluginmanager.hasplugin("randomly"):
         config.option.randomly_reset_seed = False
+    config.addinivalue_line("markers", "every_isa: run under every instruction-set path of the CPU "
+                                       "kernels (GRAPH-mode cases on the best path only)")
+    config.addinivalue_line("markers", "best_isa_only: exempt a test of an every_isa module")
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+# Checks left out of the default run (setup.cfg's addopts deselects them; `.ci/run` and
+# `pytest -m ""` run everything). Each says why it is not in the few-minute default run.
+MARKERS = {
+    "slow": "a long check (fuzzing, sweeps over every instruction-set path, whole-matrix dry runs)",
+    "distributed": "launches several processes with msrun",
+    "hosts": "cross-compiles and emulates other hosts (aarch64, macOS, Windows)",
+}
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -232,12 +246,6 @@ def isa_paths():
     lib = ctypes.CDLL(kernel_library())
     lib.MsMoeOpsIsaPaths.restype = ctypes.c_char_p
     return lib.MsMoeOpsIsaPaths().decode().split()
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "every_isa: run under every instruction-set path of the CPU "
-                                       "kernels (GRAPH-mode cases on the best path only)")
-    config.addinivalue_line("markers", "best_isa_only: exempt a test of an every_isa module")
 
 
 def pytest_generate_tests(metafunc):

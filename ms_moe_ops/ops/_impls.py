@@ -35,7 +35,7 @@ def kernel(symbol):
             prim.add_prim_attr(key, value)
         return _star(prim)
 
-    return Impl(KERNEL, build, target="CPU", grad="self")
+    return Impl(KERNEL, build, target="CPU", grad="self", available=kernel_library_missing)
 
 
 def aclnn(name, args, socs, dtypes, supports=None, scalars=None, around=None):
@@ -150,15 +150,27 @@ def dtype_rows(op, dtypes):
 
 # -- CPU kernel library ---------------------------------------------------------------------
 
-def kernel_library():
-    """Path of the compiled CPU kernels (built by `pip install`)."""
+def _library_path():
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     found = sorted(glob.glob(os.path.join(here, "_kernels*.so")))
-    if not found:
-        raise RuntimeError("ms_moe_ops: the CPU kernel library is missing; reinstall the package "
-                           "with `pip install .` (or `pip install -e .`) so it is compiled")
+    return found[0] if found else None
+
+
+def kernel_library_missing():
+    """'' when the CPU kernel library was built, else why the kernels cannot run."""
+    if _library_path() is None:
+        return ("the CPU kernel library was not built (no C++ compiler when the package was "
+                "installed); reinstall with a compiler (`pip install -e .`) for the fast kernels")
+    return ""
+
+
+def kernel_library():
+    """Path of the compiled CPU kernels (built by `pip install`)."""
+    path = _library_path()
+    if path is None:
+        raise RuntimeError(f"ms_moe_ops: {kernel_library_missing()}")
     _preload_blas()
-    return found[0]
+    return path
 
 
 @functools.lru_cache(None)

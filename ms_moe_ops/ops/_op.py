@@ -101,6 +101,9 @@ class Impl:
     its gradient: a Custom primitive with the bprop attached, or MindSpore's autodiff of it), or
     a function (attrs) -> bprop used instead of the OpDef's.
     binding: aclnn only: its AclnnBinding.
+    available() -> '' when what the implementation calls is installed here (the CPU kernel
+    library was built, the installed CANN has the aclnn kernel), else the reason it is not;
+    asked only on the target, SoC and mode the implementation runs on.
     """
     name: str
     build: Callable
@@ -110,6 +113,7 @@ class Impl:
     supports: Optional[Callable] = None
     grad: object = "op"
     binding: Optional[AclnnBinding] = None
+    available: Optional[Callable] = None
 
     def __post_init__(self):
         if self.name not in IMPL_NAMES:
@@ -123,7 +127,7 @@ class Impl:
             return f"runs on {'/'.join(self.socs)} only"
         if mode not in self.modes:
             return f"runs in {'/'.join(self.modes)} mode only"
-        return ""
+        return self.available() if self.available is not None else ""
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: declared once
