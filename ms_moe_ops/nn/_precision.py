@@ -17,7 +17,8 @@ operator outside its white list, unless the MoE Cell itself was given a dtype wi
 """
 import mindspore as ms
 from mindspore import nn
-from mindspore.nn.cell import MixedPrecisionType
+
+from .._compat import NO_AUTOMATIC_CASTS, register_opaque_to_rewrite  # noqa: F401 (re-exported)
 
 _FLAGS = {"fp16": ms.float16, "bf16": ms.bfloat16, "fp32": ms.float32}
 
@@ -39,7 +40,7 @@ class SelfCastingCell(nn.Cell):
         super().__init__()
         self.compute_dtype = None
         # NOTSET pushed while this Cell runs: no automatic casts inside it (PyNative)
-        self.mixed_precision_type = MixedPrecisionType.NOTSET
+        self.mixed_precision_type = NO_AUTOMATIC_CASTS
 
     def add_flags(self, **flags):
         dtype = _take_precision(flags)
@@ -55,15 +56,3 @@ class SelfCastingCell(nn.Cell):
                 if isinstance(cell, SelfCastingCell):
                     cell.compute_dtype = dtype
         return super().add_flags_recursive(**flags)
-
-
-def register_opaque_to_rewrite(*cells):
-    """Makes MindSpore's source rewrite (AMP O1, custom_mixed_precision) treat these Cell classes
-    as single nodes, as it treats its own Cell containers, instead of rewriting their source."""
-    try:
-        from mindspore.rewrite.common import namespace
-    except ImportError:  # no rewrite, nothing to do
-        return
-    opaque = getattr(namespace, "_subtree_black_list", None)
-    if isinstance(opaque, list):
-        opaque.extend(c for c in cells if c not in opaque)

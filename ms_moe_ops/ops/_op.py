@@ -27,8 +27,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import numpy as np
 import mindspore as ms
 from mindspore import nn
-from mindspore.ops import functional as F
 
+from .. import _compat
 from . import _platform
 from ._checks import dtype_name
 
@@ -207,14 +207,14 @@ def _signature(inputs):
     for x in inputs:
         if x is None:
             out = out + (None,)
-        elif not F.isconstant(len(x.shape)):
+        elif not _compat.is_constant(len(x.shape)):
             # unknown rank: MindSpore's [-2], not a loop over a tuple of unknown length (whose
             # compiled form, cached across graphs, fails to join after another dynamic graph)
             out = out + ((x.dtype, (-2,)),)
         else:
             shape = ()
             for d in x.shape:
-                shape = shape + ((d if F.isconstant(d) else -1),)
+                shape = shape + ((d if _compat.is_constant(d) else -1),)
             out = out + ((x.dtype, shape),)
     return out
 
@@ -239,9 +239,8 @@ def _resolve_now(op, signature, **kwargs):
     return built(op, impl, items)
 
 
-# A partial object, not a plain function: MindSpore's graph compiler runs it in Python while it
-# builds the graph instead of compiling it, so the choice is made once per compiled graph.
-_resolve = functools.partial(_resolve_now)
+# Run in Python while a graph is built: the choice is made once per compiled graph.
+_resolve = _compat.run_at_compile_time(_resolve_now)
 
 
 def describe(op, signature):
@@ -337,11 +336,11 @@ def _forward_now(index):
     return _FORWARDS[index]
 
 
-# Looked up in Python at compile time (a partial, like _resolve) rather than held as a Cell
-# attribute: in MindSpore 2.10 GRAPH mode a function parsed from a Cell attribute and a function
-# the Cell's bprop obtains from such a lookup must not share helpers ("The func graph is empty");
-# fetched the same way on both sides, they may.
-_forward = functools.partial(_forward_now)
+# Looked up in Python at compile time (like _resolve) rather than held as a Cell attribute: in
+# MindSpore 2.10 GRAPH mode a function parsed from a Cell attribute and a function the Cell's
+# bprop obtains from such a lookup must not share helpers ("The func graph is empty"); fetched the
+# same way on both sides, they may.
+_forward = _compat.run_at_compile_time(_forward_now)
 
 
 class _WithBprop(nn.Cell):

@@ -8,7 +8,8 @@ main cost of a small operator call in PyNative mode); both read the same live se
 import os
 
 from mindspore import GRAPH_MODE
-from mindspore._c_expression import MSContext, ms_ctx_param
+
+from .._compat import ascend_soc_version, context_param
 
 IMPL_ENV = "MS_MOE_OPS_IMPL"
 GRAPH, PYNATIVE = "graph", "pynative"
@@ -17,11 +18,11 @@ A2, A3, ASCEND_950 = "A2", "A3", "950"
 
 
 def device_target():
-    return MSContext.get_instance().get_param(ms_ctx_param.device_target)
+    return context_param("device_target")
 
 
 def execution_mode():
-    return GRAPH if MSContext.get_instance().get_param(ms_ctx_param.mode) == GRAPH_MODE else PYNATIVE
+    return GRAPH if context_param("mode") == GRAPH_MODE else PYNATIVE
 
 
 def soc_family(target=None):
@@ -31,7 +32,7 @@ def soc_family(target=None):
     (Ascend910B1, ...) is the fallback before that."""
     if (target or device_target()) != "Ascend":
         return ""
-    name = MSContext.get_instance().get_ascend_soc_version()
+    name = ascend_soc_version()
     if not name:
         try:
             import acl  # pylint: disable=import-outside-toplevel  # CANN's pyACL, on Ascend hosts

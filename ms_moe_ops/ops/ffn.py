@@ -15,6 +15,7 @@ other float dtypes and everywhere else. aclnnMoeFFN itself cannot be called thro
 import mindspore as ms
 from mindspore import ops
 
+from .._compat import auto_generate
 from ._checks import FLOATS, attr_error, check_dtype, check_range, check_same_dtype, \
     check_shape, dims
 from ._impls import builtin, composition, kernel
@@ -181,9 +182,8 @@ def _float_only(a, args):
 
 def _ffn_builtin(a):
     """MindSpore's built-in FFN (aclnnFFN): expert tokens as host counts, activation an enum."""
-    from mindspore.ops.auto_generate import FFNExt, tensor_to_tuple  # pylint: disable=import-outside-toplevel
-
-    prim = FFNExt(a["activation"], 0)  # inner_precise 0: the high-precision float16 kernel
+    tensor_to_tuple = auto_generate("tensor_to_tuple")
+    prim = auto_generate("FFNExt")(a["activation"], 0)  # inner_precise 0: the high-precision float16 kernel
     cumulative, padded = a["tokens_index_flag"], a["padded"]
 
     def ffn(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):

@@ -8,6 +8,7 @@ everywhere else.
 import mindspore as ms
 from mindspore import ops
 
+from .._compat import auto_generate
 from ._checks import FLOATS, check_dtype, check_same_dtype, check_shape, differ, dims
 from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
@@ -135,8 +136,7 @@ def _builtin(a):
     no CPU kernel. transpose_x groups the reduced axis (group_type 2, x given as a transposed
     view, as MindSpore's own backward does); bfloat16 takes a float32 bias; rows past the last
     group (a padded batch) are masked, as the kernel needs every row in a group."""
-    from mindspore.ops.auto_generate import gmm_v2_op  # pylint: disable=import-outside-toplevel
-
+    gmm_v2_op = auto_generate("gmm_v2_op")
     cumulative, padded = a["cumulative"], a["padded"]
     list_type = 0 if cumulative else 1  # 0: cumulative ends, 1: counts
     transpose_x, transpose_weight = a["transpose_x"], a["transpose_weight"]
@@ -164,8 +164,7 @@ def _builtin_grad(a):
     transposed forms differentiate as declared (grouped matmuls again)."""
     if a["transpose_x"] or a["transpose_weight"]:
         return _bprop(a)
-    from mindspore.ops.auto_generate import gmm_v2_backward_op  # pylint: disable=import-outside-toplevel
-
+    gmm_v2_backward_op = auto_generate("gmm_v2_backward_op")
     c = a["cumulative"]
     list_type = 0 if c else 1
 

@@ -1,0 +1,85 @@
+"""Canaries of ms_moe_ops/_compat.py: each MindSpore internal or compiler behaviour the package
+relies on still exists and behaves as relied on. A failure here after a MindSpore upgrade names
+what changed; mend _compat.py (and nothing else)."""
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import Tensor, nn, ops
+
+from ms_moe_ops import _compat
+
+
+def test_context_is_read_from_the_live_cxx_context():
+    for name, value in (("device_target", ms.get_context("device_target")),
+                        ("mode", ms.get_context("mode"))):
+        assert _compat.context_param(name) == value, (
+            f"MSContext.get_param({name}) no longer matches ms.get_context: the resolver reads "
+            f"the device target and mode through it")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        assert _compat.context_param("mode") == ms.GRAPH_MODE, "mode changes are not seen live"
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert isinstance(_compat.ascend_soc_version(), str)
+
+
+def test_a_partial_runs_in_python_while_the_graph_is_built():
+    calls = []
+
+    def choose(x):
+        calls.append(x.shape)
+        return ops.relu
+
+    chosen = _compat.run_at_compile_time(choose)
+
+    class Net(nn.Cell):
+        def construct(self, x):
+            return chosen(x)(x)
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        net = Net()
+        out = net(Tensor(np.array([-1.0, 2.0], np.float32)))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert out.asnumpy().tolist() == [0.0, 2.0]
+    assert calls == [(2,)], (f"MindSpore no longer runs a functools.partial in Python while it "
+                             f"compiles a graph (calls: {calls}): the resolver depends on it")
+
+
+def test_is_constant_tells_static_from_dynamic_dimensions():
+    # evaluated by the graph compiler (as the resolver's call signature is), not in Python
+    seen = []
+    recorder = _compat.run_at_compile_time(lambda flags: seen.append(flags) or 0)
+
+    class Net(nn.Cell):
+        def construct(self, x):
+            recorder((_compat.is_constant(x.shape[0]), _compat.is_constant(x.shape[1])))
+            return x + 1
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        net = Net()
+        net.set_inputs(Tensor(shape=[None, 3], dtype=ms.float32))
+        net(Tensor(np.zeros((2, 3), np.float32)))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert seen == [(False, True)], f"isconstant of (dynamic, static) dims gave {seen}"
+
+
+@pytest.mark.parametrize("name", ["gmm_v2_op", "gmm_v2_backward_op", "FFNExt", "tensor_to_tuple"])
+def test_generated_primitives_exist(name):
+    assert callable(_compat.auto_generate(name)), f"mindspore.ops.auto_generate.{name} is gone"
+
+
+def test_mixed_precision_switch_and_rewrite_list_exist():
+    from mindspore.rewrite.common import namespace
+
+    assert isinstance(getattr(namespace, "_subtree_black_list", None), list), (
+        "mindspore.rewrite.common.namespace._subtree_black_list is gone: AMP O1 would rewrite "
+        "the MoE Cells' source")
+    from ms_moe_ops import MoELayer
+
+    assert MoELayer in namespace._subtree_black_list
+    cell = nn.Cell()
+    cell.mixed_precision_type = _compat.NO_AUTOMATIC_CASTS  # accepted by Cell
