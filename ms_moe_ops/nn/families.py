@@ -8,7 +8,6 @@ Checkpoints come in two layouts, and every converter reads both:
 - fused, as transformers 5 holds them: `experts.gate_up_proj` [E, 2I, H] (gate rows first) and
   `experts.down_proj` [E, H, I].
 """
-import functools
 from collections import namedtuple
 
 import numpy as np
@@ -17,31 +16,72 @@ from .config import MoEConfig
 
 __all__ = ["moe_config_from_transformers", "convert_moe_checkpoint", "convert_deepseek_v3_moe",
            "convert_deepseek_v2_moe", "convert_qwen3_moe", "convert_qwen2_moe",
-           "convert_mixtral_moe", "FAMILIES"]
+           "convert_mixtral_moe", "FAMILIES", "Family", "Attr"]
 
-# Checkpoint names of a family's MoE block, relative to the block's prefix.
-#   experts: per-expert names of the (gate, up, down) projections
+
+class Attr(namedtuple("Attr", "name")):
+    """An option read from the transformers configuration's attribute `name`."""
+
+    def read(self, config):
+        return getattr(config, self.name)
+
+
+def _grouped(value):
+    """DeepSeek-V2's group options: read only with topk_method="group_limited_greedy" (1
+    otherwise: no groups)."""
+    def read(config):
+        return getattr(config, value) if config.topk_method == "group_limited_greedy" else 1
+    return read
+
+
+# A family's MoE block, as data.
+#   experts: per-expert checkpoint names of the (gate, up, down) projections
 #   shared: stem of the shared experts' MLP (None: the family has none)
 #   shared_gate: Qwen2-MoE's shared-expert gate [1, H]
 #   bias: DeepSeek-V3's selection bias
-Family = namedtuple("Family", "experts shared shared_gate bias")
+#   options: MoEConfig option -> its value: an Attr of the transformers configuration, a
+#       function of that configuration, or a constant (every family also reads _OPTIONS)
+Family = namedtuple("Family", "experts shared shared_gate bias options", defaults=({},))
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")
+_OPTIONS = dict(hidden_size=Attr("hidden_size"), top_k=Attr("num_experts_per_tok"))
+_QWEN = dict(ffn_hidden_size=Attr("moe_intermediate_size"), num_experts=Attr("num_experts"),
+             score_func="softmax", norm_topk_prob=Attr("norm_topk_prob"))
 FAMILIES = {
-    "deepseek_v3": Family(_SWIGLU, "shared_experts.", None, "gate.e_score_correction_bias"),
-    "deepseek_v2": Family(_SWIGLU, "shared_experts.", None, None),
-    "qwen3_moe": Family(_SWIGLU, None, None, None),
-    "qwen2_moe": Family(_SWIGLU, "shared_expert.", "shared_expert_gate.weight", None),
-    "mixtral": Family(("w1", "w3", "w2"), None, None, None),
+    "deepseek_v3": Family(_SWIGLU, "shared_experts.", None, "gate.e_score_correction_bias", dict(
+        ffn_hidden_size=Attr("moe_intermediate_size"), num_experts=Attr("n_routed_experts"),
+        n_group=Attr("n_group"), topk_group=Attr("topk_group"), group_select_mode=1,
+        routed_scaling_factor=Attr("routed_scaling_factor"),
+        norm_topk_prob=Attr("norm_topk_prob"), n_shared_experts=Attr("n_shared_experts"))),
+    # transformers' DeepseekV2 router never renormalises (norm_topk_prob is unused there)
+    "deepseek_v2": Family(_SWIGLU, "shared_experts.", None, None, dict(
+        ffn_hidden_size=Attr("moe_intermediate_size"), num_experts=Attr("n_routed_experts"),
+        score_func="softmax", n_group=_grouped("n_group"), topk_group=_grouped("topk_group"),
+        group_select_mode=0, routed_scaling_factor=Attr("routed_scaling_factor"),
+        norm_topk_prob=False, n_shared_experts=Attr("n_shared_experts"))),
+    "qwen3_moe": Family(_SWIGLU, None, None, None, _QWEN),
+    "qwen2_moe": Family(_SWIGLU, "shared_expert.", "shared_expert_gate.weight", None, dict(
+        _QWEN, n_shared_experts=1, shared_ffn_hidden_size=Attr("shared_expert_intermediate_size"),
+        shared_expert_gate=True)),
+    "mixtral": Family(("w1", "w3", "w2"), None, None, None, dict(
+        ffn_hidden_size=Attr("intermediate_size"), num_experts=Attr("num_local_experts"),
+        score_func="softmax")),
 }
 
 
 # -- options ------------------------------------------------------------------------------------
 
+def _value(option, config):
+    if isinstance(option, Attr):
+        return option.read(config)
+    return option(config) if callable(option) else option
+
+
 def moe_config_from_transformers(config, **overrides):
     """The MoEConfig of the MoE blocks of a transformers model configuration
     (`DeepseekV3Config`, `DeepseekV2Config`, `Qwen3MoeConfig`, `Qwen2MoeConfig`,
     `MixtralConfig`, or any object with their attributes and `model_type`); overrides set other
-    options, e.g. the training losses (`aux_loss_coeff=config.router_aux_loss_coef`).
+    options, e.g. the training losses (`aux_loss_coeff=config.router_aux_loss_coef`). What each
+    family reads: `FAMILIES[model_type].options`.
 
     Not reproduced: Mixtral's training-time router jitter noise (off by default)."""
     kind = getattr(config, "model_type", None)
@@ -51,35 +91,9 @@ def moe_config_from_transformers(config, **overrides):
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"moe_config_from_transformers: the experts must be SwiGLU "
                          f"(hidden_act='silu'), got hidden_act={config.hidden_act!r}")
-    get = functools.partial(getattr, config)
-    opts = dict(hidden_size=get("hidden_size"), top_k=get("num_experts_per_tok"))
-    if kind == "deepseek_v3":
-        opts.update(ffn_hidden_size=get("moe_intermediate_size"),
-                    num_experts=get("n_routed_experts"), n_group=get("n_group"),
-                    topk_group=get("topk_group"), group_select_mode=1,
-                    routed_scaling_factor=get("routed_scaling_factor"),
-                    norm_topk_prob=get("norm_topk_prob"),
-                    n_shared_experts=get("n_shared_experts"))
-    elif kind == "deepseek_v2":
-        grouped = get("topk_method") == "group_limited_greedy"
-        # transformers' DeepseekV2 router never renormalises (norm_topk_prob is unused there)
-        opts.update(ffn_hidden_size=get("moe_intermediate_size"),
-                    num_experts=get("n_routed_experts"), score_func="softmax",
-                    n_group=get("n_group") if grouped else 1,
-                    topk_group=get("topk_group") if grouped else 1, group_select_mode=0,
-                    routed_scaling_factor=get("routed_scaling_factor"), norm_topk_prob=False,
-                    n_shared_experts=get("n_shared_experts"))
-    elif kind == "mixtral":
-        opts.update(ffn_hidden_size=get("intermediate_size"),
-                    num_experts=get("num_local_experts"), score_func="softmax")
-    else:  # qwen3_moe, qwen2_moe
-        opts.update(ffn_hidden_size=get("moe_intermediate_size"), num_experts=get("num_experts"),
-                    score_func="softmax", norm_topk_prob=get("norm_topk_prob"))
-        if kind == "qwen2_moe":
-            opts.update(n_shared_experts=1,
-                        shared_ffn_hidden_size=get("shared_expert_intermediate_size"),
-                        shared_expert_gate=True)
-    return MoEConfig(**{**opts, **overrides})
+    options = {**_OPTIONS, **FAMILIES[kind].options}
+    return MoEConfig(**{**{name: _value(option, config) for name, option in options.items()},
+                        **overrides})
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -100,9 +114,11 @@ def convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, family, num_exper
     Returns:
         router.weight, router.expert_bias (zeros when the family has none), experts.weight1
         [E, H, 2I], experts.weight2 [E, I, H] and, with shared experts, shared_experts.weight1
-        [H, 2Is], shared_experts.weight2 [Is, H] (and shared_experts.gate [H]). Load it with
-        `ms.load_param_into_net(layer, {k: Parameter(Tensor(v), name=k) ...}, strict_load=True)`:
-        only the routing statistics (router.tokens_per_expert, router.aux_losses) stay as they are.
+        [H, 2Is], shared_experts.weight2 [Is, H] (and shared_experts.gate [H]); the routing
+        statistics start afresh: router.tokens_per_expert [E] and router.aux_losses [3], zeros.
+        Every parameter of the layer: load it with `ms.load_param_into_net(layer,
+        {k: Parameter(Tensor(v), name=k) ...}, strict_load=True)`, which then has nothing to warn
+        about.
     """
     if family not in FAMILIES:
         raise ValueError(f"convert_moe_checkpoint: family must be one of {sorted(FAMILIES)}, "
@@ -127,7 +143,9 @@ def convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, family, num_exper
                          f"'{src_prefix}gate.weight' has {e} rows")
     out = {"router.weight": router,
            "router.expert_bias": get(names.bias) if names.bias and has(names.bias) else
-           np.zeros(e, np.float32)}
+           np.zeros(e, np.float32),
+           "router.tokens_per_expert": np.zeros(e, np.float32),
+           "router.aux_losses": np.zeros(3, np.float32)}
     if has("experts.gate_up_proj"):
         gate_up, down = get("experts.gate_up_proj"), get("experts.down_proj")  # [E, 2I, H], [E, H, I]
         _check_fused(src_prefix, gate_up, down, e, h)
