@@ -1,8 +1,33 @@
-"""Two operations of the Cells written around limits of MindSpore's backend (CPU, 2.10)."""
+"""Operations of the Cells written around limits of MindSpore's backend (CPU, 2.10)."""
 import mindspore as ms
 from mindspore import ops
 
-from .. import ops as moe_ops
+from .. import _compat, ops as moe_ops
+
+def count(index, bins):
+    """How often each of 0..bins-1 occurs in the int32 tensor index (any shape, also empty):
+    float32 [bins], exact (counts below 2**24). bins may be known only at run time.
+
+    Not a scatter-add: TensorScatterElements with reduction "add" loses concurrent updates on
+    CPU, mint.bincount and mint.scatter_add have no CPU kernel, and IndexAdd writes into its
+    first input (in a GRAPH-mode gradient graph two counts into zero buffers of one shape came
+    out added together) and its CPU kernel refuses zero updates. A histogram with bins centred
+    on the integers when bins is a constant; else the edges of each value in the sorted index.
+    The value appended (outside every bin) keeps an empty index from an empty sort or an
+    uninitialised histogram in a dynamic-shape graph."""
+    if _compat.is_constant(bins):
+        flat = ops.concat((index.reshape(-1).astype(ms.float32),
+                           ops.full((1,), -1.0, dtype=ms.float32)))
+        return ops.histc(flat, bins, -0.5, bins - 0.5)
+    flat = ops.concat((index.reshape(-1).astype(ms.float32), ops.full((1,), bins, dtype=ms.float32)))
+    ordered, _ = ops.sort(flat)
+    edges = ops.searchsorted(ordered, ops.arange(bins + 1).astype(ms.float32))
+    return (edges[1:] - edges[:-1]).astype(ms.float32)
+
+
+def rows_of(x):
+    """int64 [1] holding x's row count: the one group of a grouped_matmul over all of x."""
+    return ops.full((1,), x.shape[0], dtype=ms.int64)
 
 
 def reshape(x, shape):
@@ -16,5 +41,4 @@ def reshape(x, shape):
 def project(x, weight):
     """x [T, H] @ weight[O, H].T -> [T, O] as one group of grouped_matmul: MindSpore's MatMul
     backward refuses zero tokens in a dynamic-shape graph, this package's kernels take them."""
-    rows = ops.fill(ms.int64, (1,), x.shape[0])
-    return moe_ops.grouped_matmul(x, weight.expand_dims(0), rows, transpose_weight=True)
+    return moe_ops.grouped_matmul(x, weight.expand_dims(0), rows_of(x), transpose_weight=True)

@@ -8,11 +8,12 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 from mindspore.common.initializer import Normal, initializer
 
-from ..ops._checks import int_arg
 from ..ops.gating import GATING_TOP_K, moe_gating_top_k
-from .losses import AuxLossScaler, balance_probs, router_z_loss, sequence_aux_loss, switch_aux_loss
-from ._backend import project
+from ._backend import count, project
+from ._checks import TOKENS, checked, config_of, int_arg
 from ._precision import SelfCastingCell
+from .config import RouterConfig
+from .losses import AuxLossScaler, balance_probs, router_z_loss, sequence_aux_loss, switch_aux_loss
 
 __all__ = ["GatingTopK"]
 
@@ -34,38 +35,40 @@ class GatingTopK(SelfCastingCell):
     balance loss (a sequence is one row of a [B, S, H] input; any other input is one sequence),
     `z_loss_coeff` times the router z-loss.
 
+    Built from a RouterConfig (the options above and their defaults), or from its options:
+    `GatingTopK(hidden_size, num_experts, top_k, n_group=1, ...)`.
+
     Parameters: `weight` [num_experts, hidden_size] (trainable), `expert_bias` [num_experts]
     (selection only, not trainable), `tokens_per_expert` [num_experts] float32 (routed tokens
     since the last `update_expert_bias()`, not trainable), `aux_losses` [3] float32 (switch,
     sequence and z-loss of the last forward pass, unscaled, 0 when off; not trainable).
 
-    construct(hidden_states [..., hidden_size]) -> (weights [T, top_k] float32,
-    expert_idx [T, top_k] int32), T = number of tokens.
+    construct(hidden_states [T, hidden_size] or [B, S, hidden_size], float32/float16/bfloat16)
+    -> (weights [T, top_k] float32, expert_idx [T, top_k] int32), T = number of tokens. Another
+    rank, width or dtype is a ValueError/TypeError naming the Cell.
     """
 
-    def __init__(self, hidden_size, num_experts, top_k, n_group=1, topk_group=1,
-                 group_select_mode=1, score_func="sigmoid", routed_scaling_factor=1.0,
-                 norm_topk_prob=True, bias_update_rate=1e-3, aux_loss_coeff=0.0,
-                 seq_aux_loss_coeff=0.0, z_loss_coeff=0.0):
+    def __init__(self, config=None, *args, **options):
         super().__init__()
-        if score_func not in _SCORE_FUNCS:
-            raise ValueError(f"GatingTopK: score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
-        sizes = dict(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k, n_group=n_group,
-                     topk_group=topk_group)
+        config = self.config = config_of("GatingTopK", RouterConfig, config, args, options)
+        if config.score_func not in _SCORE_FUNCS:
+            raise ValueError(f"GatingTopK: score_func must be 'sigmoid' or 'softmax', got "
+                             f"{config.score_func!r}")
         hidden_size, num_experts, top_k, n_group, topk_group = (
-            int_arg("GatingTopK", name, value) for name, value in sizes.items())
-        group_select_mode = int_arg("GatingTopK", "group_select_mode", group_select_mode, 0)
+            int_arg("GatingTopK", name, getattr(config, name))
+            for name in ("hidden_size", "num_experts", "top_k", "n_group", "topk_group"))
+        group_select_mode = int_arg("GatingTopK", "group_select_mode", config.group_select_mode, 0)
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
         self.n_group = n_group
         self.topk_group = topk_group
         self.group_select_mode = group_select_mode if n_group > 1 else 0
-        self.score_func = score_func
-        self.norm_type = _SCORE_FUNCS[score_func]
-        self.routed_scaling_factor = float(routed_scaling_factor)
-        self.norm_topk_prob = bool(norm_topk_prob)
-        self.bias_update_rate = float(bias_update_rate)
+        self.score_func = config.score_func
+        self.norm_type = _SCORE_FUNCS[config.score_func]
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.bias_update_rate = float(config.bias_update_rate)
         self.weight = Parameter(initializer(Normal(0.02), (num_experts, hidden_size), ms.float32),
                                 name="weight")
         self.expert_bias = Parameter(Tensor(np.zeros(num_experts, np.float32)), name="expert_bias",
@@ -74,9 +77,11 @@ class GatingTopK(SelfCastingCell):
                                            name="tokens_per_expert", requires_grad=False)
         self.aux_losses = Parameter(Tensor(np.zeros(3, np.float32)), name="aux_losses",
                                     requires_grad=False)
-        self.loss_coeffs = _loss_coeffs(aux_loss_coeff, seq_aux_loss_coeff, z_loss_coeff)
+        self.loss_coeffs = _loss_coeffs(config.aux_loss_coeff, config.seq_aux_loss_coeff,
+                                        config.z_loss_coeff)
         self.loss_scaler = AuxLossScaler(self.loss_coeffs) if any(self.loss_coeffs) else None
         self.count_reducer = None  # see count_over
+        self.last_load = None  # see update_expert_bias
         # Sigmoid scores without renormalisation: the op always renormalises sigmoid weights, so
         # these are gathered from its x_norm output (which is differentiable too).
         self.gather_unnormalised = self.norm_type == 1 and not self.norm_topk_prob
@@ -96,8 +101,9 @@ class GatingTopK(SelfCastingCell):
                             f"counters), got {self.expert_bias.dtype}, "
                             f"{self.tokens_per_expert.dtype} and {self.aux_losses.dtype}; convert "
                             f"only the trainable parameters to half precision")
+        width = checked("GatingTopK", "hidden_states", hidden_states, TOKENS, self.hidden_size)
         # float32 whatever the input and parameter dtypes and mixed-precision flags
-        h = hidden_states.astype(ms.float32).reshape(-1, self.hidden_size)
+        h = hidden_states.astype(ms.float32).reshape(-1, width)
         sequences = hidden_states.shape[0] if hidden_states.ndim == 3 else 1
         logits = project(h, self.weight.astype(ms.float32))
         weights, expert_idx, scores = moe_gating_top_k(
@@ -107,12 +113,7 @@ class GatingTopK(SelfCastingCell):
             routed_scaling_factor=self.routed_scaling_factor)
         if self.gather_unnormalised:
             weights = ops.gather_elements(scores, 1, expert_idx) * self.routed_scaling_factor
-        # (a scatter-add, unlike unsorted_segment_sum, also takes zero tokens; TensorScatterAdd,
-        # as the CPU's TensorScatterElements add loses updates to the same expert between threads)
-        flat = expert_idx.reshape(-1)
-        counts = ops.tensor_scatter_add(ops.zeros((self.num_experts,), ms.float32),
-                                        flat.reshape(-1, 1), ops.ones_like(flat).astype(ms.float32))
-        counts = ops.stop_gradient(counts)
+        counts = ops.stop_gradient(count(expert_idx, self.num_experts))
         load = counts
         if self.count_reducer is not None:
             load = self.count_reducer(load)  # every rank's tokens; the losses keep this rank's
@@ -127,7 +128,7 @@ class GatingTopK(SelfCastingCell):
     def _losses(self, logits, scores, expert_idx, counts, sequences):
         """[switch, sequence, z] losses of this pass (0 for those whose coefficient is 0)."""
         probs = balance_probs(scores, self.score_func)
-        zero = ops.zeros((), ms.float32)
+        zero = ops.zeros((), dtype=ms.float32)
         aux, seq, z = self.loss_coeffs
         return ops.stack([switch_aux_loss(probs, counts) if aux else zero,
                           sequence_aux_loss(probs, expert_idx, sequences) if seq else zero,
@@ -147,14 +148,30 @@ class GatingTopK(SelfCastingCell):
         """Tokens routed to each expert since the last bias update (numpy float32 [E])."""
         return self.tokens_per_expert.asnumpy().copy()
 
+    def recent_load(self):
+        """load(), or when no token was routed since the last bias update, the load that drove
+        it: what `load_imbalance` reports, before or after the update of a step."""
+        load = self.load()
+        if load.sum() == 0 and self.last_load is not None:
+            return self.last_load.copy()
+        return load
+
     def update_expert_bias(self):
         """Auxiliary-loss-free balancing (DeepSeek-V3): nudge the selection bias of overloaded
-        experts down and of underloaded ones up, then reset the counts. Call between steps."""
+        experts down and of underloaded ones up, then reset the counts (`recent_load` keeps
+        them). Call between steps."""
         load = self.load()
         if load.sum() > 0:
             step = self.bias_update_rate * np.sign(load.mean() - load)
             self.expert_bias.set_data(Tensor((self.expert_bias.asnumpy() + step).astype(np.float32)))
+            self.last_load = load
+        self.reset_load(keep_last=True)
+
+    def reset_load(self, keep_last=False):
+        """Forgets the routed-token counts (and, unless keep_last, the load of the last update)."""
         self.tokens_per_expert.set_data(Tensor(np.zeros(self.num_experts, np.float32)))
+        if not keep_last:
+            self.last_load = None
 
 
 def _loss_coeffs(*coeffs):

@@ -12,6 +12,7 @@ Notation: T tokens, E experts, K experts per token; logits [T, E] float32; count
 import mindspore as ms
 from mindspore import Tensor, ops
 
+from ._backend import count
 from ._precision import SelfCastingCell
 
 __all__ = ["AuxLossScaler", "balance_probs", "switch_aux_loss", "sequence_aux_loss",
@@ -49,7 +50,7 @@ def balance_probs(scores, score_func):
 
 def _tokens(probs):
     """T as a float32 tensor, at least 1 (the losses are 0 for T = 0)."""
-    return ops.maximum(ops.dyn_shape(probs)[0].astype(ms.float32), 1.0)
+    return ops.maximum(ops.scalar_to_tensor(probs.shape[0], ms.float32), 1.0)
 
 
 def switch_aux_loss(probs, counts):
@@ -68,15 +69,10 @@ def sequence_aux_loss(probs, expert_idx, num_sequences):
     expert_idx [T, K] int32; T = num_sequences * S, consecutive tokens forming a sequence; 0 for
     T = 0."""
     num_experts, k = probs.shape[1], expert_idx.shape[1]
-    # each sequence's (token, slot) pairs in one row, counted per expert
-    # (as flat indices s * E + e; TensorScatterAdd, as the CPU's TensorScatterElements add loses
-    # updates to the same element between threads)
+    # each sequence's (token, slot) pairs in one row, counted per expert (as flat indices s * E + e)
     slots = expert_idx.reshape(num_sequences, -1)
-    flat = (slots + ops.arange(num_sequences, dtype=slots.dtype).reshape(-1, 1) * num_experts)
-    flat = flat.reshape(-1)
-    counts = ops.tensor_scatter_add(ops.zeros((num_sequences * num_experts,), ms.float32),
-                                    flat.reshape(-1, 1), ops.ones_like(flat).astype(ms.float32))
-    counts = counts.reshape(num_sequences, num_experts)
+    flat = slots + ops.arange(num_sequences, dtype=slots.dtype).reshape(-1, 1) * num_experts
+    counts = count(flat, num_sequences * num_experts).reshape(num_sequences, num_experts)
     p_sum = probs.reshape(num_sequences, -1, num_experts).sum(axis=1)
     s = _tokens(probs) / num_sequences
     return (ops.stop_gradient(counts) * p_sum).sum() * num_experts / (k * s * s * num_sequences)

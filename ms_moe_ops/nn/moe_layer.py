@@ -1,6 +1,5 @@
 """MoELayer: router -> token permute -> experts -> unpermute (+ shared experts), the MoE block of
 DeepSeek-V2/V3, Qwen2/Qwen3-MoE and Mixtral; helpers for its load balance."""
-import dataclasses
 import math
 
 import numpy as np
@@ -8,13 +7,12 @@ import mindspore as ms
 from mindspore import Parameter, ops
 from mindspore.common.initializer import Uniform, initializer
 
-from .. import ops as moe_ops
-from ..ops._checks import int_arg
-from ..parallel.dispatcher import ExpertDispatcher
-from .config import MoEConfig
-from .ffn import ACTIVATIONS, MoeFFN
-from ._backend import project, reshape
+from ._backend import reshape, project, rows_of
+from ._checks import TOKENS, checked, config_of, int_arg
 from ._precision import SelfCastingCell, register_opaque_to_rewrite
+from .config import MoEConfig, SharedExpertsConfig
+from .dispatcher import LocalDispatcher
+from .ffn import MoeFFN, swiglu_experts
 from .gating import GatingTopK
 
 __all__ = ["MoELayer", "SharedExperts", "moe_layers", "expert_load", "load_imbalance",
@@ -24,17 +22,23 @@ __all__ = ["MoELayer", "SharedExperts", "moe_layers", "expert_load", "load_imbal
 class SharedExperts(SelfCastingCell):
     """The always-on experts: one dense SwiGLU MLP over every token, optionally gated.
 
+    Built from a SharedExpertsConfig, or from its options: `SharedExperts(hidden_size,
+    ffn_hidden_size, gate=False)`.
+
     Parameters: `weight1` [H, 2F] (gate | up columns), `weight2` [F, H], float32, cast to the
     compute dtype (x's dtype or `compute_dtype`, as in MoeFFN); with `gate=True` also `gate` [H]:
     each token's output is scaled by `sigmoid(x . gate)` (Qwen2-MoE's shared-expert gate, in
-    float32). Runs on the same grouped-matmul and SwiGLU kernels as the routed experts (one
-    group), so float16/bfloat16 work on every backend.
+    float32). Runs the routed experts' SwiGLU (one group of all rows), so float16/bfloat16 work
+    on every backend.
+
+    construct(x [T, H] float32/float16/bfloat16) -> [T, H] in the compute dtype.
     """
 
-    def __init__(self, hidden_size, ffn_hidden_size, gate=False):
+    def __init__(self, config=None, *args, **options):
         super().__init__()
-        hidden_size = int_arg("SharedExperts", "hidden_size", hidden_size)
-        ffn_hidden_size = int_arg("SharedExperts", "ffn_hidden_size", ffn_hidden_size)
+        config = self.config = config_of("SharedExperts", SharedExpertsConfig, config, args, options)
+        hidden_size = int_arg("SharedExperts", "hidden_size", config.hidden_size)
+        ffn_hidden_size = int_arg("SharedExperts", "ffn_hidden_size", config.ffn_hidden_size)
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.weight1 = Parameter(initializer(Uniform(1 / math.sqrt(hidden_size)),
@@ -44,18 +48,17 @@ class SharedExperts(SelfCastingCell):
                                              (ffn_hidden_size, hidden_size), ms.float32),
                                  name="weight2")
         self.gate = Parameter(initializer(Uniform(1 / math.sqrt(hidden_size)), (hidden_size,),
-                                          ms.float32), name="gate") if gate else None
+                                          ms.float32), name="gate") if config.gate else None
 
     def construct(self, x):
+        checked("SharedExperts", "x", x, ("[T, {}]",), self.hidden_size)
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
-        rows = ops.fill(ms.int64, (1,), x.shape[0])
         # [1, H, 2F] in float32 first: the CPU backend has no bfloat16 ExpandDims
         w1 = self.weight1.astype(ms.float32).expand_dims(0).astype(dtype)
         w2 = self.weight2.astype(ms.float32).expand_dims(0).astype(dtype)
         # x once, in float32: with the gate its two gradients add up in float32 (no bfloat16 AddN)
         x = x.astype(ms.float32)
-        h = moe_ops.grouped_matmul(x.astype(dtype), w1, rows)
-        y = moe_ops.grouped_matmul(moe_ops.swiglu_group(h), w2, rows)
+        y = swiglu_experts(x.astype(dtype), rows_of(x), w1, None, w2, None, "swiglu", 0.0, True)
         if self.gate is not None:
             g = ops.sigmoid(project(x, self.gate.astype(ms.float32).reshape(1, -1)))
             y = (y.astype(ms.float32) * g).astype(dtype)
@@ -69,13 +72,19 @@ class MoELayer(SelfCastingCell):
 
     where (w, idx) come from the router `GatingTopK` (sigmoid or softmax scores, optional
     group-limited choice, auxiliary-loss-free `expert_bias` for the choice only, weights
-    renormalised when norm_topk_prob, times routed_scaling_factor), tokens are permuted so each
-    expert's rows are consecutive, the experts `MoeFFN` run on them, each row weighted by its
-    routing weight, and the results are summed back per token. gate is 1, or with
-    shared_expert_gate `sigmoid(x . shared_experts.gate)`.
+    renormalised when norm_topk_prob, times routed_scaling_factor), a token dispatcher takes each
+    token's rows to its experts `MoeFFN` and back, and each token's expert outputs are summed
+    weighted by its routing weights. gate is 1, or with shared_expert_gate
+    `sigmoid(x . shared_experts.gate)`.
+
+    Built from a MoEConfig: `MoELayer(config)`; or from its options, which build the config
+    once: `MoELayer(hidden_size, ffn_hidden_size, num_experts, top_k, n_group=..., ...)` (the
+    options and their defaults: MoEConfig, RouterConfig, ExpertsConfig). `layer.config` gives the
+    config back; `MoELayer.from_config(config)` is `MoELayer(config)`.
 
     The families of transformers, as options (`moe_config_from_transformers` reads them from a
-    model configuration; the converters in `ms_moe_ops.nn.families` load their checkpoints):
+    model configuration, `FAMILIES` in `ms_moe_ops.nn.families` lists them; the converters there
+    load their checkpoints):
     - DeepSeek-V3: the defaults, with n_group/topk_group (group_select_mode=1), routed_scaling_factor
       and n_shared_experts.
     - DeepSeek-V2: score_func="softmax", norm_topk_prob=False, group_select_mode=0 (group max),
@@ -93,111 +102,80 @@ class MoELayer(SelfCastingCell):
 
     Sub-cells (checkpoints load into these names): `router` (`router.weight` [E, H],
     `router.expert_bias` [E]), `experts` (`experts.weight1` [E, H, 2F] for swiglu, else
-    [E, H, F]; `experts.weight2` [E, F, H]) and, when n_shared_experts > 0, `shared_experts`
-    (`shared_experts.weight1` [H, 2 Fs], `shared_experts.weight2` [Fs, H], with the gate
-    `shared_experts.gate` [H]; Fs = shared_ffn_hidden_size * n_shared_experts,
-    shared_ffn_hidden_size defaulting to ffn_hidden_size). All options together: `config`
-    (a MoEConfig); `MoELayer.from_config(config)` builds a layer from one.
+    [E, H, F]; `experts.weight2` [E, F, H]; with has_bias `experts.bias1`, `experts.bias2`) and,
+    when n_shared_experts > 0, `shared_experts` (`shared_experts.weight1` [H, 2 Fs],
+    `shared_experts.weight2` [Fs, H], with the gate `shared_experts.gate` [H]; Fs =
+    shared_ffn_hidden_size * n_shared_experts, shared_ffn_hidden_size defaulting to
+    ffn_hidden_size). `dispatcher`: the token dispatcher (ms_moe_ops.nn.dispatcher).
 
-    construct(hidden [B, S, H] or [T, H], float32/float16/bfloat16) -> same shape, in hidden's
+    construct(hidden [T, H] or [B, S, H], float32/float16/bfloat16) -> same shape, in hidden's
     dtype or in the dtype mixed precision asks for: `to_float` and `auto_mixed_precision` O2/O3
     set the dtype the experts compute in; the router stays float32 and so do the routing
-    weights. Gradients reach the input, the router weight and all expert weights. Load balance:
-    `router.tokens_per_expert` counts routed tokens (GRAPH mode too); call
-    `update_expert_bias(model)` between training steps and `load_imbalance(model)` to watch it.
+    weights. Another rank, width H or dtype is a ValueError/TypeError naming the layer.
+    Gradients reach the input, the router weight and all expert weights. Load balance:
+    `router.tokens_per_expert` counts routed tokens (GRAPH mode too); the module functions
+    `ms_moe_ops.update_expert_bias(model)` (between training steps) and
+    `ms_moe_ops.load_imbalance(model)` (to watch it) act on every MoELayer of a model.
 
     Expert parallelism: with `expert_parallel=ep` (a `ms_moe_ops.parallel.ExpertParallel` of n
     ranks) this rank holds experts [rank*E/n, (rank+1)*E/n) (`experts.weight1`/`weight2` are
     [E/n, ...]; ValueError when n does not divide E) and the router and shared experts are
-    replicated. Each rank feeds its own tokens (the same number on every rank) and gets the
-    output of its own tokens; the rows routed to other ranks' experts travel through
-    `ep.exchange`. The expert gradients are complete on their rank, the router's and shared
-    experts' are this rank's part (`ms_moe_ops.parallel.ExpertParallelTrainStep` all-reduces
-    them).
+    replicated; `ep.dispatcher(...)` is the layer's token dispatcher. Each rank feeds its own
+    tokens (the same number on every rank) and gets the output of its own tokens; the rows
+    routed to other ranks' experts travel through `ep.exchange`. The expert gradients are
+    complete on their rank, the router's and shared experts' are this rank's part
+    (`ms_moe_ops.parallel.ExpertParallelTrainStep` all-reduces them).
     `router.tokens_per_expert` counts the tokens of all ranks, so `update_expert_bias` keeps
     every rank's expert_bias the same; the training losses use this rank's tokens (as
     Megatron-LM's do).
     """
 
-    def __init__(self, hidden_size, ffn_hidden_size, num_experts, top_k, n_group=1, topk_group=1,
-                 group_select_mode=1, routed_scaling_factor=1.0, score_func="sigmoid",
-                 n_shared_experts=0, shared_ffn_hidden_size=None, activation="swiglu",
-                 clamp_limit=0.0, bias_update_rate=1e-3, norm_topk_prob=True,
-                 shared_expert_gate=False, aux_loss_coeff=0.0, seq_aux_loss_coeff=0.0,
-                 z_loss_coeff=0.0, expert_parallel=None):
+    def __init__(self, config=None, *args, expert_parallel=None, **options):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"MoELayer: activation must be one of {ACTIVATIONS}, got {activation!r}")
-        hidden_size, ffn_hidden_size, num_experts, top_k = (
-            int_arg("MoELayer", name, value) for name, value in (
-                ("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size),
-                ("num_experts", num_experts), ("top_k", top_k)))
-        n_shared_experts = int_arg("MoELayer", "n_shared_experts", n_shared_experts, 0)
-        if shared_ffn_hidden_size is not None:
-            shared_ffn_hidden_size = int_arg("MoELayer", "shared_ffn_hidden_size",
-                                             shared_ffn_hidden_size)
-        if shared_expert_gate and not n_shared_experts:
+        config = self.config = config_of("MoELayer", MoEConfig, config, args, options)
+        hidden_size, _, num_experts, top_k = (
+            int_arg("MoELayer", name, getattr(config, name))
+            for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"))
+        n_shared = int_arg("MoELayer", "n_shared_experts", config.n_shared_experts, 0)
+        if config.shared_ffn_hidden_size is not None:
+            int_arg("MoELayer", "shared_ffn_hidden_size", config.shared_ffn_hidden_size)
+        if config.shared_expert_gate and not n_shared:
             raise ValueError("MoELayer: shared_expert_gate=True needs shared experts, got "
                              "n_shared_experts=0")
-        cfg = self.config = MoEConfig(
-            hidden_size, ffn_hidden_size, num_experts, top_k, n_group=n_group,
-            topk_group=topk_group, group_select_mode=group_select_mode,
-            routed_scaling_factor=routed_scaling_factor, score_func=score_func,
-            n_shared_experts=n_shared_experts, shared_ffn_hidden_size=shared_ffn_hidden_size,
-            activation=activation, clamp_limit=clamp_limit, bias_update_rate=bias_update_rate,
-            norm_topk_prob=norm_topk_prob, shared_expert_gate=shared_expert_gate,
-            aux_loss_coeff=aux_loss_coeff, seq_aux_loss_coeff=seq_aux_loss_coeff,
-            z_loss_coeff=z_loss_coeff)
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
-        self.router = GatingTopK(hidden_size, num_experts, top_k, n_group=n_group,
-                                 topk_group=topk_group, group_select_mode=group_select_mode,
-                                 score_func=score_func, routed_scaling_factor=routed_scaling_factor,
-                                 norm_topk_prob=norm_topk_prob, bias_update_rate=bias_update_rate,
-                                 aux_loss_coeff=aux_loss_coeff,
-                                 seq_aux_loss_coeff=seq_aux_loss_coeff, z_loss_coeff=z_loss_coeff)
+        self.router = GatingTopK(config.router())
         self.expert_parallel = expert_parallel
-        self.dispatcher = None
-        local_experts = num_experts
-        if expert_parallel is not None:
-            self.dispatcher = ExpertDispatcher(expert_parallel, num_experts, hidden_size)
-            local_experts = self.dispatcher.local_experts
-            self.router.count_over(expert_parallel.group)
-        # the exchange may hand the experts a padded batch: they must allow it
-        self.experts = MoeFFN(local_experts, hidden_size, ffn_hidden_size, activation=activation,
-                              clamp_limit=clamp_limit,
-                              padded=self.dispatcher is not None and self.dispatcher.padded)
-        if n_shared_experts > 0:
-            shared = (cfg.shared_ffn_hidden_size or ffn_hidden_size) * n_shared_experts
-            self.shared_experts = SharedExperts(hidden_size, shared, gate=shared_expert_gate)
-        else:
-            self.shared_experts = None
+        self.dispatcher = (LocalDispatcher(num_experts) if expert_parallel is None else
+                           expert_parallel.dispatcher(num_experts, hidden_size))
+        if self.dispatcher.count_group is not None:
+            self.router.count_over(self.dispatcher.count_group)
+        self.experts = MoeFFN(config.experts(self.dispatcher.local_experts, self.dispatcher.padded))
+        shared = config.shared_experts()
+        self.shared_experts = None if shared is None else SharedExperts(shared)
 
     @classmethod
     def from_config(cls, config, expert_parallel=None):
         """The MoELayer of a MoEConfig (its experts split over expert_parallel, if given)."""
-        return cls(**dataclasses.asdict(config), expert_parallel=expert_parallel)
+        return cls(config, expert_parallel=expert_parallel)
+
+    def sharded_parameters(self):
+        """The parameters split over the ranks of its expert-parallel group (the routed
+        experts'); none in one process."""
+        return list(self.experts.get_parameters()) if self.expert_parallel is not None else []
 
     def construct(self, hidden):
+        width = checked("MoELayer", "hidden", hidden, TOKENS, self.hidden_size)
         shape = hidden.shape
         dtype = hidden.dtype if self.compute_dtype is None else self.compute_dtype
         # x is used once, in float32: the gradients of its three consumers then add up in float32
         # (MindSpore's CPU backend has no bfloat16 AddN)
-        x = hidden.astype(ms.float32).reshape(-1, self.hidden_size)
+        x = hidden.astype(ms.float32).reshape(-1, width)
         # the router sees the sequences ([B, S, H]) for its sequence-wise loss
         weights, expert_idx = self.router(x.reshape(shape))
-        if self.dispatcher is None:
-            permuted, position, counts = moe_ops.moe_token_permute(x.astype(dtype), expert_idx,
-                                                                   self.num_experts)
-            # the routing weight of each permuted row: row position[j] holds (token, slot) j
-            flat = weights.reshape(-1)
-            row_weight = ops.tensor_scatter_elements(ops.zeros_like(flat), position, flat, axis=0)
-            y = self.experts(permuted, counts, row_weight)
-            out = moe_ops.moe_token_unpermute(y, position, top_k=self.top_k)
-        else:  # the same steps, the rows of other ranks' experts through the exchange
-            rows, counts, route = self.dispatcher.dispatch(x.astype(dtype), expert_idx)
-            out = self.dispatcher.combine(self.experts(rows, counts), weights, route)
+        rows, counts, route = self.dispatcher.dispatch(x.astype(dtype), expert_idx)
+        out = self.dispatcher.combine(self.experts(rows, counts), weights, route)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x.astype(dtype))
         return reshape(out, shape)
@@ -206,38 +184,44 @@ class MoELayer(SelfCastingCell):
 register_opaque_to_rewrite(GatingTopK, MoeFFN, SharedExperts, MoELayer)
 
 
-# -- load balance -------------------------------------------------------------------------------
+# -- load balance: module functions over every MoELayer of a model --------------------------------
 
 def moe_layers(model):
     """Every MoELayer inside a Cell (the Cell itself included), in definition order."""
     return [cell for _, cell in model.cells_and_names() if isinstance(cell, MoELayer)]
 
 
+def _stacked(loads):
+    return np.stack(loads) if loads else np.zeros((0, 0), np.float32)
+
+
 def expert_load(model):
-    """Tokens routed to each expert since the last bias update: numpy float32 [layers, E]."""
-    layers = moe_layers(model)
-    return np.stack([layer.router.load() for layer in layers]) if layers else np.zeros((0, 0))
+    """Tokens routed to each expert per MoELayer: numpy float32 [layers, E]. Those since the last
+    bias update or, right after an update (no token routed since), those that drove it."""
+    return _stacked([layer.router.recent_load() for layer in moe_layers(model)])
 
 
 def load_imbalance(model_or_load):
     """max / mean of the tokens per expert, per layer (1.0 = perfectly balanced): a list of
-    floats, from a Cell (its current counts) or from an expert_load() array."""
+    floats, from a Cell (its expert_load(): before or after update_expert_bias, the same) or
+    from an expert_load() array."""
     load = model_or_load if isinstance(model_or_load, np.ndarray) else expert_load(model_or_load)
     return [float(row.max() / row.mean()) if row.mean() > 0 else 1.0 for row in np.atleast_2d(load)]
 
 
 def update_expert_bias(model):
     """Auxiliary-loss-free balancing step for every MoELayer (call between training steps);
-    returns the expert_load() that drove it (the counts are reset)."""
-    load = expert_load(model)
+    returns the loads that drove it, [layers, E] (the counts start again from zero;
+    expert_load and load_imbalance keep reporting these until tokens are routed again)."""
+    loads = []
     for layer in moe_layers(model):
+        loads.append(layer.router.load())
         layer.router.update_expert_bias()
-    return load
+    return _stacked(loads)
 
 
 def reset_expert_load(model):
-    """Forgets the routed-token counts of every MoELayer (e.g. after an evaluation pass, whose
-    tokens should not steer the balancing)."""
+    """Forgets the routed-token counts of every MoELayer, and the loads of the last update (e.g.
+    after an evaluation pass, whose tokens should not steer the balancing)."""
     for layer in moe_layers(model):
-        counts = layer.router.tokens_per_expert
-        counts.set_data(ops.zeros(counts.shape, counts.dtype))
+        layer.router.reset_load()

@@ -16,9 +16,10 @@ from mindspore import Parameter, Tensor, ops
 
 from .. import ops as moe_ops
 from ..ops._checks import dtype_arg
-from ._precision import SelfCastingCell, register_opaque_to_rewrite
+from ..ops.activations import ffn_activation, float_to_deq_scale
 from ..ops.ffn import ACTIVATIONS, OUTPUT_DTYPES
-from ..reference import _quant_activation, float_to_deq_scale
+from ._checks import checked
+from ._precision import SelfCastingCell, register_opaque_to_rewrite
 
 __all__ = ["QuantMoeFFN", "quantize_moe_ffn"]
 
@@ -102,7 +103,7 @@ def quantize_moe_ffn(cell, calibration_x, expert_tokens, output_dtype="float16")
     # activation range per expert, from the float model on the calibration rows
     def act_range(r, e_):
         h = x[r] @ w1[e_] + (0.0 if b1 is None else b1[e_])
-        a = _quant_activation(activation, h.astype(np.float32)).astype(np.float64)
+        a = ffn_activation(activation, h).astype(np.float64)
         return a.min(initial=0.0), a.max(initial=0.0)
 
     ranges = [act_range(r, i) for i, r in enumerate(rows) if r.stop > r.start]
@@ -155,8 +156,12 @@ class QuantMoeFFN(SelfCastingCell):
         self.offset = param(offset, np.float32, "offset")
         self.deq_scale1 = param(float_to_deq_scale(deq_scale1), np.uint64, "deq_scale1")
         self.deq_scale2 = param(float_to_deq_scale(deq_scale2), np.uint64, "deq_scale2")
+        self.num_experts, self.hidden_size = self.weight1.shape[:2]
 
     def construct(self, x, expert_tokens):
+        checked("QuantMoeFFN", "x", x, ("[M, {}]",), self.hidden_size)
+        checked("QuantMoeFFN", "expert_tokens", expert_tokens, ("[{}]",),
+                self.num_experts, ("int64",))
         x_q = ops.clamp(ops.round(x.astype(ms.float32) / self.x_step), -128.0, 127.0)
         return moe_ops.moe_ffn(x_q.astype(ms.int8), expert_tokens, self.weight1, self.weight2,
                                self.bias1, self.bias2, self.scale, self.offset, self.deq_scale1,
