@@ -1,19 +1,23 @@
-"""ExpertDispatcher: routes the tokens of an expert-parallel MoE layer to the ranks that hold
-their experts and brings the results back.
+"""ExpertDispatcher: the token dispatcher of an expert-parallel MoE layer (the interface:
+ms_moe_ops.nn.dispatcher), which takes the rows of each token to the ranks that hold their
+experts and brings the results back.
 
-One structure whatever the exchange: permute by expert -> exchange the counts -> exchange the
-rows -> (the local experts run on the rows received) -> exchange back -> unpermute.
+The local steps with an exchange between them: permute by expert (LocalDispatcher.dispatch) ->
+exchange the counts -> exchange the rows -> (the local experts run on the rows received) ->
+exchange back -> weighted unpermute (LocalDispatcher.combine). On a group of one process every
+exchange is the identity, and the layer computes what the local layer computes, bit for bit.
 """
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import ops
 
-from ..ops import moe_token_permute, moe_token_unpermute
+from ..nn._precision import SelfCastingCell
+from ..nn.dispatcher import LocalDispatcher
 from .exchange import AllReduceExchange, AlltoAllVExchange, inverse_index, transpose_chunks_index
 
-__all__ = ["ExpertDispatcher"]
+__all__ = ["ExpertDispatcher", "OneRankExchange"]
 
 
-class ExpertDispatcher(nn.Cell):
+class ExpertDispatcher(SelfCastingCell):
     """Token routing of a MoE layer whose num_experts experts are split over `ep` (an
     ExpertParallel): this rank holds experts [first, first + E/n), first = rank * E/n.
 
@@ -39,18 +43,23 @@ class ExpertDispatcher(nn.Cell):
         self.size = ep.size
         self.local_experts = ep.local_experts(num_experts)
         self.first_expert = ep.rank * self.local_experts
-        self.all_gather = ops.AllGather(group=ep.group)
-        if ep.exchange == "alltoallv":
-            self.exchange = AlltoAllVExchange(ep, hidden_size)
+        self.local = LocalDispatcher(num_experts)
+        if ep.size == 1:
+            self.all_gather = _Identity()
+            self.exchange = OneRankExchange()
         else:
-            self.exchange = AllReduceExchange(ep)
+            self.all_gather = ops.AllGather(group=ep.group)
+            self.exchange = (AlltoAllVExchange(ep, hidden_size) if ep.exchange == "alltoallv"
+                             else AllReduceExchange(ep))
         # whether dispatch pads the rows past the local experts' (static shapes)
-        self.padded = ep.exchange != "alltoallv"
+        self.padded = isinstance(self.exchange, AllReduceExchange)
+        # the router counts the tokens of every rank
+        self.count_group = ep.group if ep.size > 1 else None
         self.widen_bfloat16 = ms.get_context("device_target") != "Ascend"
 
     def dispatch(self, x, expert_idx):
         dtype = x.dtype
-        permuted, position, counts = moe_token_permute(x, expert_idx, self.num_experts)
+        permuted, counts, position = self.local.dispatch(x, expert_idx)
         # table[s, e]: rows rank s routes to expert e (every rank needs all of it to place rows)
         table = self.all_gather(ops.stop_gradient(counts)).reshape(self.size, self.num_experts)
         send = table.reshape(self.size, self.size, self.local_experts).sum(-1)  # rank to rank
@@ -67,7 +76,7 @@ class ExpertDispatcher(nn.Cell):
         dtype = y.dtype
         by_source = ops.gather(self._with_zero_row(self._carried(y)), inverse_index(order), 0)
         back = self.exchange.combine(by_source, plan)
-        return moe_token_unpermute(back.astype(dtype), position, weights)
+        return self.local.combine(back.astype(dtype), weights, position)
 
     def _carried(self, rows):
         if self.widen_bfloat16 and rows.dtype == ms.bfloat16:
@@ -76,4 +85,22 @@ class ExpertDispatcher(nn.Cell):
 
     @staticmethod
     def _with_zero_row(rows):
-        return ops.concat((rows, ops.zeros((1, rows.shape[1]), rows.dtype)))
+        return ops.concat((rows, ops.zeros((1, rows.shape[1]), dtype=rows.dtype)))
+
+
+class _Identity(SelfCastingCell):
+    def construct(self, x):
+        return x
+
+
+class OneRankExchange(SelfCastingCell):
+    """The exchange pair of a group of one process (see exchange.py): every row stays here."""
+
+    def plan(self, send, m):
+        return send
+
+    def dispatch(self, x, plan):
+        return x
+
+    def combine(self, y, plan):
+        return y

@@ -1,6 +1,8 @@
 """ExpertParallel: the process group that shares a MoE layer's experts, and how they are split."""
 import mindspore as ms
 
+from .dispatcher import ExpertDispatcher
+
 __all__ = ["ExpertParallel", "EXCHANGES"]
 
 # How routed rows travel between ranks (see exchange.py): "alltoallv" (ops.AlltoAllV, exact
@@ -24,6 +26,7 @@ class ExpertParallel:
             "alltoallv" or "allreduce" (see `EXCHANGES`).
 
     Attributes: `group`, `rank` (this process's rank in the group), `size` (n), `exchange`.
+    `ExpertParallel.single()` is a group of this process alone, without communication.
     """
 
     def __init__(self, group=None, exchange="auto"):
@@ -41,6 +44,21 @@ class ExpertParallel:
             raise ValueError(f"ExpertParallel: exchange must be 'auto' or one of {EXCHANGES}, got "
                              f"{exchange!r}")
         self.exchange = exchange
+
+    @classmethod
+    def single(cls):
+        """The expert-parallel path on this process alone, with no process group: every
+        exchange is the identity, so a layer computes bit for bit what the local layer computes
+        (a way to check the path, or to run code written for expert parallelism in one
+        process)."""
+        ep = cls.__new__(cls)
+        ep.group, ep.rank, ep.size, ep.exchange = None, 0, 1, "none"
+        return ep
+
+    def dispatcher(self, num_experts, hidden_size):
+        """The token dispatcher of a MoE layer of num_experts experts split over this group
+        (ms_moe_ops.nn.dispatcher's interface): MoELayer(..., expert_parallel=ep) calls it."""
+        return ExpertDispatcher(self, num_experts, hidden_size)
 
     def local_experts(self, num_experts, owner="MoELayer"):
         """E/n, the experts of each rank; ValueError when n does not divide E."""

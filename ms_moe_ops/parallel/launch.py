@@ -13,7 +13,7 @@ import time
 
 import psutil  # a MindSpore dependency
 
-__all__ = ["LaunchError", "msrun", "free_port", "log_tails"]
+__all__ = ["LaunchError", "msrun", "free_port", "log_tails", "worker_path"]
 
 
 class LaunchError(RuntimeError):
@@ -41,8 +41,9 @@ def log_tails(log_dir, lines=25):
 def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_out=60, env=None):
     """Runs `python script *args` on `workers` local processes with msrun and waits for them.
 
-    The workers import the same ms_moe_ops as the caller (its directory goes first on
-    PYTHONPATH), run in `log_dir` (a new temporary directory by default; MindSpore writes its
+    The workers run on the caller's interpreter (its directory goes first on PATH, where msrun
+    finds `python`: a virtual environment works without being activated) and import the same
+    ms_moe_ops as the caller (its directory goes first on PYTHONPATH); they run in `log_dir` (a new temporary directory by default; MindSpore writes its
     rank_<n>/ dumps there) and log there as worker_<rank>.log; `script` is taken as absolute.
     `timeout` (seconds) bounds the whole job: past it, the launcher, the scheduler and every
     worker are ended by process group. Returns log_dir; raises LaunchError (with the logs' last
@@ -54,13 +55,14 @@ def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_ou
     run_env = dict(os.environ if env is None else env)
     paths = (package_root, run_env.get("PYTHONPATH"))
     run_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    run_env["PATH"] = worker_path(run_env.get("PATH"))
     run_env.setdefault("GLOG_v", "3")
     cmd = [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={workers}",
            f"--local_worker_num={workers}", f"--master_port={free_port()}", f"--log_dir={log_dir}",
            "--join=True", f"--cluster_time_out={cluster_time_out}", "--tail_worker_log=-1",
            os.path.abspath(script), *map(str, args)]
     with open(os.path.join(log_dir, "msrun.log"), "w") as out:
-            launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=run_env,
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=run_env,
                                     cwd=log_dir, start_new_session=True)
     try:
         rc = launcher.wait(timeout=timeout)
@@ -75,6 +77,13 @@ def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_ou
         raise LaunchError(f"{os.path.basename(script)} failed on {workers} processes (msrun exit "
                           f"code {rc}); logs in {log_dir}\n{log_tails(log_dir)}")
     return log_dir
+
+
+def worker_path(path):
+    """PATH with the directory of this interpreter (sys.executable) first: msrun starts each
+    worker as `python`, looked up on PATH."""
+    here = os.path.dirname(os.path.abspath(sys.executable))
+    return os.pathsep.join([here] + [p for p in (path or "").split(os.pathsep) if p and p != here])
 
 
 def _end_job(launcher):

@@ -19,12 +19,10 @@ def _reduce_one(all_reduce, scale, replicated, grad):
 
 
 def expert_parameter_names(network):
-    """Names of the parameters split over ranks: the routed experts of every expert-parallel
-    MoELayer in network."""
-    from ..nn.moe_layer import moe_layers
-
-    return {p.name for layer in moe_layers(network) if layer.expert_parallel is not None
-            for p in layer.experts.get_parameters()}
+    """Names of the parameters split over ranks: those every Cell of network declares with a
+    `sharded_parameters()` method (an expert-parallel MoELayer: its routed experts')."""
+    return {p.name for _, cell in network.cells_and_names()
+            for p in getattr(cell, "sharded_parameters", tuple)()}
 
 
 class ExpertParallelGradReducer(nn.Cell):
