@@ -4,8 +4,10 @@ finite differences.
 The device comes from MS_MOE_OPS_DEVICE (default CPU), so the suite runs unchanged on an Ascend
 machine: `MS_MOE_OPS_DEVICE=Ascend pytest`.
 """
+import linecache
 import os
 import re
+import sys
 import zlib
 
 import numpy as np
@@ -16,6 +18,42 @@ from mindspore import Tensor, nn
 DEVICE = os.environ.get("MS_MOE_OPS_DEVICE", "CPU")
 ms.set_device(DEVICE)
 ms.set_context(mode=ms.PYNATIVE_MODE)
+
+# -- the sources as loaded ------------------------------------------------------------------------
+# GRAPH mode compiles a function from its source text, which MindSpore reads from the file
+# (inspect.getsourcelines, through linecache) at the line where the loaded code starts. A source
+# file edited while the suite runs therefore makes every later compilation parse what the file
+# holds at that line now: once, conftest.run's FnCell around a 3-argument function was compiled
+# as `def numpy(t)`, the line FnCell.construct had held when conftest was loaded. So the sources of
+# this repository's modules are pinned in linecache as they were loaded (linecache never re-reads
+# an entry without a modification time); tests/test_reproducibility.py shows both sides.
+
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PINNED = set()
+
+
+def pin_source(path):
+    """Keeps linecache (hence MindSpore's parser) on the text the file holds now."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    linecache.cache[path] = (sum(len(line) for line in lines), None, lines, path)
+    _PINNED.add(path)
+
+
+def pin_sources():
+    """Pins the source of every module of this repository loaded and not pinned yet."""
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if (path and path not in _PINNED and path.endswith(".py") and os.path.isabs(path)
+                and path.startswith(_REPOSITORY + os.sep) and os.path.isfile(path)):
+            pin_source(path)
+
+
+pin_sources()  # conftest itself, as it is being loaded
+
+
+def pytest_collectreport(report):
+    pin_sources()  # each test module (and what it imports) right after its import
 
 
 def pytest_configure(config):
@@ -34,7 +72,8 @@ def pytest_configure(config):
 # Checks left out of the default run (setup.cfg's addopts deselects them; `.ci/run` and
 # `pytest -m ""` run everything). Each says why it is not in the few-minute default run.
 MARKERS = {
-    "slow": "a long check (fuzzing, sweeps over every instruction-set path, whole-matrix dry runs)",
+    "slow": "a long check (fuzzing, the sweep over the lower instruction-set paths, whole-matrix "
+            "dry runs, end-to-end example runs, checks above ~5 s)",
     "distributed": "launches several processes with msrun",
     "hosts": "cross-compiles and emulates other hosts (aarch64, macOS, Windows)",
 }
@@ -59,6 +98,7 @@ def seed_of(nodeid):
 @pytest.fixture(autouse=True)
 def _isolated(request):
     """Every test starts from the same global state: seeds set from its own id, PyNative mode."""
+    pin_sources()  # modules a test imported late
     seed = seed_of(request.node.nodeid)
     ms.set_seed(seed % (2 ** 31))
     np.random.seed(seed)
@@ -254,6 +294,7 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("isa", isa_paths(), indirect=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
 def pytest_collection_modifyitems(config, items):
     if DEVICE != "CPU":
         return
@@ -263,6 +304,8 @@ def pytest_collection_modifyitems(config, items):
         params = getattr(item, "callspec", None)
         params = params.params if params else {}
         lower = params.get("isa", best) != best
+        if lower:  # the sweep over the lower paths: the full run's
+            item.add_marker(pytest.mark.slow)
         (drop if lower and params.get("mode") == "graph" else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
