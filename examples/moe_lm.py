@@ -62,14 +62,13 @@ class CausalSelfAttention(nn.Cell):
 class Block(nn.Cell):
     """Pre-norm transformer block: x + attention(norm(x)), then x + MoE(norm(x))."""
 
-    def __init__(self, d_model, heads, seq_len, ffn, experts, top_k, shared, bias_update_rate,
-                 moe_options):
+    def __init__(self, heads, seq_len, moe, expert_parallel=None):
         super().__init__()
+        d_model = moe.hidden_size
         self.norm1 = nn.LayerNorm((d_model,))
         self.attn = CausalSelfAttention(d_model, heads, seq_len)
         self.norm2 = nn.LayerNorm((d_model,))
-        self.moe = MoELayer(d_model, ffn, experts, top_k, n_shared_experts=shared,
-                            bias_update_rate=bias_update_rate, **moe_options)
+        self.moe = MoELayer(moe, expert_parallel=expert_parallel)
 
     def construct(self, x):
         x = x + self.attn(self.norm1(x))
@@ -77,18 +76,17 @@ class Block(nn.Cell):
 
 
 class MoELanguageModel(nn.Cell):
-    """ids [B, S] int32 -> next-character logits [B * S, vocab]. moe_options: further MoELayer
-    options (router, training losses)."""
+    """ids [B, S] int32 -> next-character logits [B * S, vocab]. moe: the MoEConfig of every
+    block's MoE layer (its hidden_size is the model width); expert_parallel: see MoELayer."""
 
-    def __init__(self, vocab_size, seq_len, d_model, heads, layers, ffn, experts, top_k, shared,
-                 bias_update_rate, moe_options=None):
+    def __init__(self, vocab_size, seq_len, heads, layers, moe, expert_parallel=None):
         super().__init__()
+        d_model = moe.hidden_size
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, d_model, embedding_table=Normal(0.02))
         self.pos = Parameter(initializer(Normal(0.02), (seq_len, d_model), ms.float32), name="pos")
-        self.blocks = nn.CellList([Block(d_model, heads, seq_len, ffn, experts, top_k, shared,
-                                         bias_update_rate, moe_options or {})
+        self.blocks = nn.CellList([Block(heads, seq_len, moe, expert_parallel)
                                    for _ in range(layers)])
         self.norm = nn.LayerNorm((d_model,))
         self.head = nn.Dense(d_model, vocab_size, weight_init=Normal(0.02))

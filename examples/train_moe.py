@@ -12,7 +12,9 @@ and, if asked, the auxiliary losses (Switch load balancing, sequence-wise balanc
         examples/train_moe.py --expert-parallel 2    # the experts split over 2 processes
 
 Writes to --out: the checkpoint (moe_lm.ckpt), loss.png (train/val loss), expert_load.png
-(tokens per expert over time, per layer), and prints a summary and a sampled text.
+(tokens per expert over time, per layer), and prints a summary and a sampled text. An --out that
+holds an earlier run is kept: the run goes to the first free --out_2, --out_3, ... (--overwrite
+replaces it).
 """
 import argparse
 import builtins
@@ -50,7 +52,8 @@ def parse_args(argv=None):
                    help="coefficient of DeepSeek-V3's sequence-wise balance loss (0 = off)")
     p.add_argument("--z-loss", type=float, default=0.0,
                    help="coefficient of the router z-loss (0 = off)")
-    p.add_argument("--eval-every", type=int, default=100, help="validation interval (steps)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="validation interval (steps; default: a tenth of the run, at most 100)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
     p.add_argument("--sample-chars", type=int, default=300, help="length of the sampled text")
     p.add_argument("--device", choices=("CPU", "Ascend"), default="CPU")
@@ -60,11 +63,50 @@ def parse_args(argv=None):
                         "--worker_num=N --local_worker_num=N); each trains on its own batches")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/moe_lm", help="output directory")
-    return p.parse_args(argv)
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into --out even when it holds an earlier run")
+    args = p.parse_args(argv)
+    if args.eval_every is None:
+        args.eval_every = min(100, max(1, args.steps // 10))
+    return args
+
+
+OUTPUTS = ("moe_lm.ckpt", "loss.png", "expert_load.png")
+
+
+def output_dir(out, overwrite):
+    """out, or when it holds an earlier run (and not overwrite) the first free out_2, out_3..."""
+    def free(path):
+        return not os.path.exists(path) or (os.path.isdir(path) and not any(
+            name in OUTPUTS or name.startswith("moe_lm-rank") for name in os.listdir(path)))
+
+    if overwrite or free(out):
+        return out
+    n = 2
+    while not free(f"{out}_{n}"):
+        n += 1
+    return f"{out}_{n}"
+
+
+def launched_by_msrun():
+    """Whether this process is one of an msrun job (msrun gives each worker its role)."""
+    return "MS_ROLE" in os.environ
+
+
+def how_to_launch(n, argv):
+    """The command that runs this script on n processes."""
+    args = " ".join(argv)
+    return (f"--expert-parallel {n} runs on {n} processes: launch it with msrun, e.g.\n"
+            f"  msrun --worker_num={n} --local_worker_num={n} --master_port=8118 "
+            f"--log_dir=runs/msrun --join=True {os.path.relpath(__file__)} {args}\n"
+            f"(the first process's log, runs/msrun/worker_0.log, shows the progress)")
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.expert_parallel > 1 and not launched_by_msrun():
+        raise SystemExit(how_to_launch(args.expert_parallel,
+                                       sys.argv[1:] if argv is None else list(argv)))
     import mindspore as ms
     from mindspore import nn
     from tqdm import tqdm
@@ -79,6 +121,11 @@ def main(argv=None):
     print = builtins.print if rank == 0 else (lambda *a, **k: None)  # one report: the first process
     ms.set_seed(args.seed)
     rng = np.random.default_rng(args.seed + rank)  # each process its own batches
+    out = output_dir(args.out, args.overwrite)  # every process decides before any writes
+    mean_over_ranks(0.0, ep)
+    if out != args.out:
+        print(f"{args.out} holds an earlier run: writing to {out} (--overwrite replaces it)")
+    args.out = out
     os.makedirs(args.out, exist_ok=True)
 
     data = CharData()
@@ -211,13 +258,11 @@ def build_model(args, data, ep):
     import mindspore as ms
     from ms_moe_ops.parallel import shard_experts
 
+    moe = moe_config(args)
+
     def model(expert_parallel=None):
-        moe_options = dict(score_func=args.router, aux_loss_coeff=args.aux_loss,
-                           seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss,
-                           expert_parallel=expert_parallel)
-        return MoELanguageModel(data.vocab_size, args.seq_len, args.d_model, args.heads,
-                                args.layers, args.ffn, args.experts, args.top_k,
-                                args.shared_experts, args.bias_update_rate, moe_options)
+        return MoELanguageModel(data.vocab_size, args.seq_len, args.heads, args.layers, moe,
+                                expert_parallel)
 
     net = model()
     if ep is None:
@@ -225,6 +270,16 @@ def build_model(args, data, ep):
     part = model(ep)
     ms.load_param_into_net(part, shard_experts(net.parameters_dict(), ep.rank, ep.size))
     return part
+
+
+def moe_config(args):
+    """The MoEConfig of every block's MoE layer, from the flags."""
+    from ms_moe_ops import MoEConfig
+
+    return MoEConfig(args.d_model, args.ffn, args.experts, args.top_k,
+                     n_shared_experts=args.shared_experts, score_func=args.router,
+                     bias_update_rate=args.bias_update_rate, aux_loss_coeff=args.aux_loss,
+                     seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss)
 
 
 def mean_over_ranks(value, ep):
@@ -311,10 +366,14 @@ def plot_expert_load(loads, path):
                           for e in range(experts)])
         ax = axes[layer, 0]
         ax.stackplot(np.arange(k, steps + 1), share, labels=[f"expert {e}" for e in range(experts)])
+        # perfect balance: every band between two neighbouring dashed lines, 1/E apart
+        for e in range(1, experts):
+            ax.axhline(e / experts, color="black", lw=0.6, ls="--", alpha=0.6)
         ax.set_ylim(0, 1)
         ax.set_ylabel(f"layer {layer}\nshare of tokens")
     axes[-1, 0].set_xlabel("step")
-    axes[0, 0].set_title(f"tokens per expert (perfect balance: bands of {1 / experts:.3f})")
+    axes[0, 0].set_title(f"share of tokens per expert (perfect balance: each band between two "
+                         f"dashed lines, {1 / experts:.3f})")
     if experts <= 16:
         axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     fig.tight_layout()

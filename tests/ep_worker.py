@@ -1,6 +1,6 @@
 """One rank of the expert-parallel tests, launched with msrun by
-tests/test_parallel_distributed.py: runs the case of tests/ep_case.py on this rank's experts and
-tokens and saves everything it got to OUT/rank<r>.npz (and its checkpoints to OUT/).
+tests/test_parallel_distributed.py: runs the expert-parallel case of tests/cases.py on this rank's
+experts and tokens and saves everything it got to OUT/rank<r>.npz (and its checkpoints to OUT/).
 
     msrun --worker_num=2 --local_worker_num=2 ... tests/ep_worker.py OUT
 """
@@ -19,7 +19,7 @@ from mindspore.communication import init  # noqa: E402
 
 init()
 
-import ep_case as case  # noqa: E402
+import cases as case  # noqa: E402
 from ms_moe_ops import MoELayer  # noqa: E402
 from ms_moe_ops.parallel import (AllReduceExchange, AlltoAllVExchange, ExpertParallel,  # noqa: E402
                                  ExpertParallelTrainStep, shard_experts)
@@ -64,20 +64,20 @@ def main(out_dir):
         result[f"exchange/{name}"] = value.asnumpy()
     tick("exchange")
 
-    x_all, cot_all, target_all = case.tokens()
-    mine = slice(r * case.TOKENS, (r + 1) * case.TOKENS)
-    for config, mode, train in case.RUNS:
-        full = case.full_weights(config)
+    x_all, cot_all, target_all = case.ep_tokens()
+    mine = slice(r * case.EP_TOKENS, (r + 1) * case.EP_TOKENS)
+    for config, mode, train in case.EP_RUNS:
+        full = case.ep_weights(config)
         case.set_mode(mode)
         key = f"{config}/{mode}/"
-        layer = case.make_layer(config, ep)
-        case.load(layer, shard_experts(full, r, n))
+        layer = case.ep_layer(config, ep)
+        case.load_weights(layer, shard_experts(full, r, n))
         for k, v in case.forward_backward(layer, x_all[mine], cot_all[mine]).items():
             result[key + k] = v
         tick(key + "forward-backward")
         if not train:
             continue
-        case.load(layer, shard_experts(full, r, n))
+        case.load_weights(layer, shard_experts(full, r, n))
         trained = case.train(layer, x_all[mine], target_all[mine],
                              lambda net, opt: ExpertParallelTrainStep(net, opt, ep))
         for k, v in trained.items():
@@ -87,17 +87,17 @@ def main(out_dir):
         tick(key + "train")
 
     case.set_mode("pynative")
-    layer = case.make_layer("swiglu", ep)
-    case.load(layer, shard_experts(case.full_weights("swiglu"), r, n))
+    layer = case.ep_layer("swiglu", ep)
+    case.load_weights(layer, shard_experts(case.ep_weights("swiglu"), r, n))
     result["swiglu/bfloat16/out"] = layer(Tensor(x_all[mine], ms.bfloat16)).astype(ms.float32).asnumpy()
 
     try:
-        MoELayer(case.HIDDEN, 4, 3, 2, expert_parallel=ep)
+        MoELayer(case.EP_HIDDEN, 4, 3, 2, expert_parallel=ep)
     except ValueError as e:
         result["error/indivisible"] = str(e)
 
     # the Ascend exchange: its primitive builds here; running it needs HCCL
-    a2a = AlltoAllVExchange(ExpertParallel(exchange="alltoallv"), case.HIDDEN).all_to_all
+    a2a = AlltoAllVExchange(ExpertParallel(exchange="alltoallv"), case.EP_HIDDEN).all_to_all
     result["alltoallv/attrs"] = repr((type(a2a).__name__, a2a.group, a2a.block_size, a2a.rank_size))
     np.savez(os.path.join(out_dir, f"rank{r}.npz"), **result)
 

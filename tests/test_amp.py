@@ -133,7 +133,13 @@ def test_moe_net_forward_and_gradients(level, amp_dtype, mode, rng):
     np.testing.assert_array_equal(ms_moe_ops.expert_load(amp), ms_moe_ops.expert_load(plain))
     assert set(got_grads) == set(expected_grads)
     for name, g in expected_grads.items():
-        np.testing.assert_array_equal(got_grads[name], g, err_msg=name)
+        if name.endswith("router.weight") and mode == "pynative":
+            # float32 sums of the logits' three consumers' gradients, in an order PyNative's
+            # autograd does not fix (it changed with the tests run before): a last bit
+            np.testing.assert_allclose(got_grads[name], g, rtol=2.0 ** -22,
+                                       atol=2.0 ** -22 * np.abs(g).max(), err_msg=name)
+        else:
+            np.testing.assert_array_equal(got_grads[name], g, err_msg=name)
 
 
 @pytest.mark.parametrize("amp_dtype", list(AMP_DTYPES))

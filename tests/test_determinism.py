@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import cpu_only
 
@@ -56,9 +57,9 @@ gh, a = FFN_ACTIVATION_GRAD(f32(rng.normal(size=(700, 64))), f32(rng.normal(size
                             activation="gelu")
 out["ffn_act_grad"] = gh.asnumpy()
 sys.path.insert(0, sys.argv[2])
-import test_ffn_int8
-v = test_ffn_int8._case(rng, counts=(300, 0, 212), h=256, f=520)
-out["ffn_int8"] = test_ffn_int8._call(v, output_dtype="float32").asnumpy()
+import cases
+v = cases.int8_ffn_case(rng, counts=(300, 0, 212), h=256, f=520)
+out["ffn_int8"] = cases.int8_ffn(v, output_dtype="float32").asnumpy()
 e_idx = np.array([rng.permutation(16)[:4] for _ in range(900)], np.int32)
 p, s, c = mo.moe_token_permute(bf(rng.normal(size=(900, 64))), Tensor(e_idx), 16)
 out["permute"] = p.astype(ms.float32).asnumpy()
@@ -81,6 +82,7 @@ def _outputs(threads, path):
 
 
 @cpu_only("the thread counts of this package's OpenMP kernels and OpenBLAS")
+@pytest.mark.slow  # three subprocesses
 def test_same_bits_whatever_the_thread_count(tmp_path):
     runs = {n: _outputs(n, str(tmp_path / f"threads{n}.npz")) for n in (1, 2, 3)}
     for name, one in runs[1].items():

@@ -7,7 +7,7 @@ from mindspore import Tensor, nn
 
 from ms_moe_ops import GatingTopK, MoELayer, MoeFFN, moe_gating_top_k, reference as ref
 from conftest import assert_close, finite_diff, grad, numpy, rounded, tensor
-from test_moe_layer import config, layer_grads, make_layer, params
+from cases import config, layer_grads, make_layer, params
 
 
 # -- one expert -----------------------------------------------------------------------------------

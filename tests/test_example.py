@@ -1,22 +1,32 @@
-"""examples/train_moe.py runs end to end on tiny sizes and writes everything it promises."""
+"""examples/train_moe.py: end to end on tiny sizes (it writes everything it promises), on two
+processes with msrun, and its small decisions: where a run writes, how often it validates, how
+an expert-parallel run is launched."""
 import os
 import subprocess
 import sys
 
 import mindspore as ms
+import pytest
 
 from conftest import cpu_only
 from ms_moe_ops.parallel import msrun
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                       "train_moe.py")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLE = os.path.join(EXAMPLES, "train_moe.py")
+TINY = ["--steps", "3", "--batch-size", "4", "--seq-len", "16", "--d-model", "32", "--heads", "2",
+        "--ffn", "16", "--experts", "4", "--top-k", "2", "--eval-batches", "1"]
+
+sys.path.insert(0, EXAMPLES)
+try:
+    import train_moe
+finally:
+    sys.path.pop(0)
 
 
+@pytest.mark.slow  # a whole run: about 40 s
 def test_example_runs_a_few_steps(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, EXAMPLE, "--steps", "3", "--batch-size", "4", "--seq-len", "16",
-           "--d-model", "32", "--heads", "2", "--ffn", "16", "--layers", "2", "--experts", "4",
-           "--top-k", "2", "--eval-every", "2", "--eval-batches", "1", "--sample-chars", "10",
+    cmd = [sys.executable, EXAMPLE, *TINY, "--layers", "2", "--sample-chars", "10",
            "--router", "softmax", "--aux-loss", "0.01", "--seq-aux-loss", "0.01", "--z-loss", "1e-3",
            "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -26,17 +36,18 @@ def test_example_runs_a_few_steps(tmp_path):
     assert "== summary ==" in proc.stdout and "== sample" in proc.stdout
     assert "train loss" in proc.stdout and "load imbalance" in proc.stdout
     assert "router losses (unscaled, mean over layers): switch" in proc.stdout
+    # validated after every one of the 3 steps: a curve, not two points
+    assert "val loss" in proc.stdout and "(step 3)" in proc.stdout
 
 
+@pytest.mark.distributed
 @cpu_only("msrun workers on the CPU backend")
 def test_example_with_experts_split_over_two_processes(tmp_path):
     """`--expert-parallel 2` under msrun trains, the first process reports, and the checkpoint
     it joins from the two parts loads into the one-process model."""
     out = tmp_path / "run"
-    args = ["--steps", "3", "--batch-size", "4", "--seq-len", "16", "--d-model", "32", "--heads",
-            "2", "--ffn", "16", "--layers", "1", "--experts", "4", "--top-k", "2", "--eval-every",
-            "3", "--eval-batches", "1", "--sample-chars", "2", "--mode", "pynative",
-            "--aux-loss", "0.01", "--expert-parallel", "2", "--out", str(out)]
+    args = [*TINY, "--layers", "1", "--eval-every", "3", "--sample-chars", "2", "--mode",
+            "pynative", "--aux-loss", "0.01", "--expert-parallel", "2", "--out", str(out)]
     logs = msrun(EXAMPLE, args, workers=2, timeout=300, log_dir=str(tmp_path / "logs"))
     with open(os.path.join(logs, "worker_0.log")) as f:
         first = f.read()
@@ -48,13 +59,41 @@ def test_example_with_experts_split_over_two_processes(tmp_path):
     for name in ("moe_lm.ckpt", "moe_lm-rank0.ckpt", "moe_lm-rank1.ckpt", "loss.png"):
         assert (out / name).stat().st_size > 0, name
 
-    sys.path.insert(0, os.path.dirname(EXAMPLE))
-    try:
-        from moe_lm import CharData, MoELanguageModel
-    finally:
-        sys.path.pop(0)
-    net = MoELanguageModel(CharData().vocab_size, 16, 32, 2, 1, 16, 4, 2, 1, 5e-3)
+    from moe_lm import CharData, MoELanguageModel
+
+    args = train_moe.parse_args(args)
+    net = MoELanguageModel(CharData().vocab_size, 16, 2, 1, train_moe.moe_config(args))
     params = ms.load_checkpoint(str(out / "moe_lm.ckpt"))
     assert params["blocks.0.moe.experts.weight1"].shape == (4, 32, 32)
     not_loaded, unused = ms.load_param_into_net(net, params)
     assert not not_loaded and not unused
+
+
+def test_expert_parallel_without_msrun_says_how_to_launch():
+    proc = subprocess.run([sys.executable, EXAMPLE, "--expert-parallel", "2", "--steps", "5"],
+                          capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MS_")})
+    assert proc.returncode == 1
+    assert "--expert-parallel 2 runs on 2 processes: launch it with msrun" in proc.stderr
+    assert "msrun --worker_num=2 --local_worker_num=2" in proc.stderr
+    assert "train_moe.py --expert-parallel 2 --steps 5" in proc.stderr
+
+
+def test_an_earlier_run_is_not_overwritten(tmp_path):
+    out = str(tmp_path / "run")
+    assert train_moe.output_dir(out, False) == out  # nothing there yet
+    os.makedirs(out)
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    assert train_moe.output_dir(out, False) == out  # a folder without a run
+    (tmp_path / "run" / "loss.png").write_bytes(b"png")
+    assert train_moe.output_dir(out, False) == out + "_2"
+    os.makedirs(out + "_2")
+    (tmp_path / "run_2" / "moe_lm.ckpt").write_bytes(b"ckpt")
+    assert train_moe.output_dir(out, False) == out + "_3"
+    assert train_moe.output_dir(out, True) == out
+
+
+@pytest.mark.parametrize("steps,every", [(3, 1), (50, 5), (1000, 100), (5000, 100)])
+def test_validation_interval_draws_a_curve(steps, every):
+    assert train_moe.parse_args(["--steps", str(steps)]).eval_every == every
+    assert train_moe.parse_args(["--steps", str(steps), "--eval-every", "7"]).eval_every == 7

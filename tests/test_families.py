@@ -2,8 +2,6 @@
 DeepSeek-V3, Qwen2-MoE. Output and gradients (input, router, experts, shared experts) in both
 modes, the training losses against transformers' load_balancing_loss_func, and the checkpoint
 converters on both layouts. Tiny blocks with random weights, nothing downloaded."""
-import contextlib
-import io
 import os
 import sys
 
@@ -74,7 +72,7 @@ def our_layer(block, config, **overrides):
     converted = convert_moe_checkpoint(state_dict_numpy(block), "", "", config.model_type)
     not_loaded, _ = ms.load_param_into_net(
         layer, {k: Parameter(Tensor(v), name=k) for k, v in converted.items()}, strict_load=True)
-    assert sorted(not_loaded) == ["router.aux_losses", "router.tokens_per_expert"]
+    assert not_loaded == []  # the routing statistics too: a clean load
     return layer
 
 
@@ -126,7 +124,9 @@ def compare(ours, theirs, family):
     assert_close(out, t_out)
     assert_close(gx, t_gx)
     expected = as_ours(t_gw, family)
-    assert set(gw) == set(expected) - {"router.expert_bias"}
+    # the converter's entries but the router's state (selection bias, routing statistics)
+    assert set(gw) == set(expected) - {"router.expert_bias", "router.tokens_per_expert",
+                                       "router.aux_losses"}
     for name in gw:
         assert np.abs(expected[name]).max() > 0, name
         assert_close(gw[name], expected[name], rtol=2e-5)
@@ -243,17 +243,19 @@ def test_converter_errors(rng):
 
 # -- examples/from_hf.py (in this process: torch and transformers are imported already) ----------
 
-def test_from_hf_example():
+def test_from_hf_example(capfd):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "examples"))
     try:
         import from_hf
     finally:
         sys.path.pop(0)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        worst = from_hf.main(["--layers", "2"])
-    text = buf.getvalue()
+    capfd.readouterr()
+    worst = from_hf.main(["--layers", "2"])
+    text, err = capfd.readouterr()
     for family in ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral"):
         assert family in text
     assert worst < 1e-4, text
+    # a clean load of converted blocks warns about nothing (it once listed 40 parameters
+    # "not loaded": the routing statistics)
+    assert "WARNING" not in err and "not loaded" not in err + text, err[-2000:]

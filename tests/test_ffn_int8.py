@@ -8,41 +8,15 @@ from mindspore import Tensor
 
 from ms_moe_ops import moe_ffn, reference
 from ms_moe_ops.nn import MoeFFN, QuantMoeFFN, quantize_moe_ffn
+from cases import INT8_FFN_INPUTS as NAMES, int8_ffn as _call, int8_ffn_case as _case
 from conftest import cpu_only, grad, numpy, run, tensor
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
 
 ACTIVATIONS = ["fastgelu", "gelu", "relu", "silu"]
-NAMES = ("x", "tokens", "w1", "w2", "b1", "b2", "scale", "offset", "dq1", "dq2")
-
-
-def _case(rng, counts=(5, 0, 9, 4), h=13, f=70, bias=True, deq="uint64"):
-    """Random int8 data with scales that put the requantised activation over most of int8
-    (saturating a little); shapes not multiples of the kernel's tiles."""
-    e, m = len(counts), int(sum(counts))
-    i8 = lambda *s: rng.integers(-128, 128, s).astype(np.int8)
-    v = dict(x=i8(m, h), tokens=np.array(counts, np.int64), w1=i8(e, h, f), w2=i8(e, f, h),
-             b1=rng.integers(-20000, 20000, (e, f)).astype(np.int32) if bias else None,
-             b2=rng.integers(-20000, 20000, (e, h)).astype(np.int32) if bias else None,
-             scale=rng.uniform(100, 200, e).astype(np.float32),
-             offset=np.float32([-150] + list(rng.uniform(-40, 40, e - 1))),
-             dq1=(rng.uniform(0.5, 2, (e, f)) / (128 * 128 * np.sqrt(h))).astype(np.float32),
-             dq2=(rng.uniform(0.5, 2, (e, h)) / (128 * 128 * np.sqrt(f))).astype(np.float32))
-    if deq == "uint64":
-        v["dq1"], v["dq2"] = reference.float_to_deq_scale(v["dq1"]), reference.float_to_deq_scale(v["dq2"])
-    return v
-
-
 def _golden(v, **kw):
     return reference.moe_ffn_quant(*(v[n] for n in NAMES[:2]), v["w1"], v["w2"], v["b1"], v["b2"],
                                    v["scale"], v["offset"], v["dq1"], v["dq2"], **kw)
-
-
-def _call(v, mode="pynative", **kw):
-    def fn(x, tokens, w1, w2, b1, b2, scale, offset, dq1, dq2):
-        return moe_ffn(x, tokens, w1, w2, b1, b2, scale, offset, dq1, dq2, **kw)
-
-    return run(fn, *(None if v[n] is None else Tensor(v[n]) for n in NAMES), mode=mode)
 
 
 def _as_f32(y):

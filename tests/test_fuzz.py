@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUZZ_SECONDS = float(os.environ.get("MS_MOE_OPS_FUZZ_SECONDS", "60"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEVICE != "CPU", reason="CPU only: fuzzes the CPU kernels")
 def test_sanitizer_fuzz_short_run():
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "fuzz_kernels.py"),

@@ -127,6 +127,7 @@ def test_scalar_conversions_round_half_to_even(dtype, rng):
 
 
 @x86_only
+@pytest.mark.hosts
 @pytest.mark.best_isa_only
 def test_emulated_hosts_agree():
     """tools/check_hosts.py: aarch64 under qemu, and older x86-64 CPUs."""

@@ -7,7 +7,7 @@ from mindspore import Tensor, nn
 
 from ms_moe_ops import AuxLossScaler, MoELayer, load_imbalance, reference as ref
 from conftest import assert_close, finite_diff, grad, numpy, run, tensor
-from test_moe_layer import inputs, layer_grads, make_layer, params
+from cases import inputs, layer_grads, make_layer, params
 
 COEFFS = dict(aux_loss_coeff=0.7, seq_aux_loss_coeff=1.3, z_loss_coeff=0.2)
 

@@ -112,14 +112,13 @@ def rounded_chain(x, w, rw, activation, clamp, dtype):
     r = lambda a: rounded(a, dtype)  # noqa: E731
     w1, w2, b1 = r(w["w1"]), r(w["w2"]), r(w["b1"])
     gmm = ref.grouped_matmul
-    if activation != "swiglu":  # moe_ffn, then the row weight in float32
+    if activation != "swiglu":  # moe_ffn
         y = r(ref.moe_ffn(x, COUNTS, w1, w2, b1, r(w["b2"]), activation=activation))
-        return y * rw[:, None], np.abs(y * rw[:, None])
-    h = r(gmm(x, w1, COUNTS, b1))
-    a = r(ref.swiglu_group(h, rw[:, None], clamp_limit=clamp))
-    y = r(gmm(a, w2, COUNTS))
-    b2 = w["b2"][np.repeat(np.arange(E), COUNTS)] * rw[:, None]
-    return y + b2, np.abs(y) + np.abs(b2)
+    else:  # grouped_matmul (bias1) -> swiglu_group -> grouped_matmul (bias2)
+        a = r(ref.swiglu_group(r(gmm(x, w1, COUNTS, b1)), clamp_limit=clamp))
+        y = r(gmm(a, w2, COUNTS, r(w["b2"])))
+    # then the row weight, in float32
+    return y * rw[:, None], np.abs(y * rw[:, None])
 
 
 @pytest.mark.parametrize("activation,has_bias,clamp", [("swiglu", True, 0.9), ("swiglu", False, 0.0),

@@ -2,7 +2,6 @@
 routing options and corner cases, load balancing, training, options object and checkpoint
 conversion. (Parity with transformers' blocks: test_families.py; losses: test_losses.py.)"""
 import dataclasses
-import inspect
 
 import numpy as np
 import pytest
@@ -11,54 +10,8 @@ from mindspore import Parameter, Tensor, nn
 
 import ms_moe_ops
 from ms_moe_ops import MoELayer, load_imbalance, reference as ref, update_expert_bias
+from cases import config, inputs, layer_grads, make_layer, params, reference, rounded_experts
 from conftest import RTOL, assert_close, finite_diff, numpy, rounded, run, tensor
-
-
-def make_layer(h=8, f=6, e=4, k=2, seed=0, shared=0, **kw):
-    """A MoELayer with random weights large enough that routing choices are far from ties."""
-    layer = MoELayer(h, f, e, k, n_shared_experts=shared, **kw)
-    rng = np.random.default_rng(seed)
-    for p in layer.trainable_params():
-        scale = 0.6 if "router" in p.name else 0.4
-        p.set_data(Tensor(rng.normal(0, scale, p.shape).astype(np.float32)))
-    return layer
-
-
-def params(layer):
-    """The reference's keyword arguments from the layer's parameters (float64)."""
-    p = {name.split(".", 1)[-1] if name.startswith("layer.") else name: v.asnumpy().astype(np.float64)
-         for name, v in layer.parameters_and_names()}
-    out = dict(router_weight=p["router.weight"], expert_bias=p["router.expert_bias"].astype(np.float32),
-               weight1=p["experts.weight1"], weight2=p["experts.weight2"])
-    if "shared_experts.weight1" in p:
-        out.update(shared_weight1=p["shared_experts.weight1"], shared_weight2=p["shared_experts.weight2"])
-    if "shared_experts.gate" in p:
-        out.update(shared_gate=p["shared_experts.gate"])
-    return out
-
-
-def config(layer):
-    r = layer.router
-    return dict(top_k=layer.top_k, n_group=r.n_group, topk_group=r.topk_group,
-                group_select_mode=r.group_select_mode,
-                routed_scaling_factor=r.routed_scaling_factor,
-                score_func=r.score_func, norm_topk_prob=r.norm_topk_prob,
-                activation=layer.experts.activation, clamp_limit=layer.experts.clamp_limit)
-
-
-def reference(layer, x, **overrides):
-    kw = {**params(layer), **config(layer), **overrides}
-    return ref.moe_layer(x, **kw)
-
-
-def rounded_experts(layer, dtype):
-    """The expert weights as the layer uses them in dtype (rounded), as reference overrides."""
-    p = params(layer)
-    return {k: rounded(v, dtype) for k, v in p.items() if k not in ("router_weight", "expert_bias")}
-
-
-def inputs(shape, seed=1, dtype="float32"):
-    return rounded(np.random.default_rng(seed).normal(0, 1, shape), dtype)
 
 
 # -- forward --------------------------------------------------------------------------------------
@@ -128,28 +81,6 @@ def test_experts_without_tokens(mode):
 
 
 # -- gradients ------------------------------------------------------------------------------------
-
-class _Objective(nn.Cell):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def construct(self, x, cotangent):
-        return (self.layer(x).astype(ms.float32) * cotangent).sum()
-
-
-def layer_grads(layer, x, cotangent, mode, dtype="float32"):
-    """(d/dx, {parameter name: d/dparam}) of sum(layer(x) * cotangent)."""
-    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
-    try:
-        weights = layer.trainable_params()
-        fn = ms.grad(_Objective(layer), grad_position=0, weights=weights)
-        gx, gw = fn(tensor(x, dtype), Tensor(cotangent.astype(np.float32)))
-    finally:
-        ms.set_context(mode=ms.PYNATIVE_MODE)
-    names = [p.name.split("layer.", 1)[-1] for p in weights]
-    return numpy(gx), {n: numpy(g) for n, g in zip(names, gw)}
-
 
 GRAD_CONFIGS = {
     "swiglu+shared": dict(shared=1),
@@ -300,19 +231,59 @@ def test_config_object():
     config = layer.config
     assert isinstance(config, ms_moe_ops.MoEConfig)
     assert (config.score_func, config.norm_topk_prob, config.z_loss_coeff) == ("softmax", False, 1e-3)
-    again = MoELayer.from_config(config)
-    assert again.config == config
-    assert {n: p.shape for n, p in again.parameters_and_names()} == \
-        {n: p.shape for n, p in layer.parameters_and_names()}
+    for again in (MoELayer(config), MoELayer.from_config(config)):
+        assert again.config == config
+        assert {n: p.shape for n, p in again.parameters_and_names()} == \
+            {n: p.shape for n, p in layer.parameters_and_names()}
     assert MoELayer.from_config(config.replace(top_k=3)).router.top_k == 3
-    # the constructor and the config object list the same options with the same defaults (but
-    # expert_parallel: where the experts run, not what the layer is)
-    signature = inspect.signature(MoELayer.__init__).parameters
-    fields = dataclasses.fields(ms_moe_ops.MoEConfig)
-    assert list(signature)[1:] == [f.name for f in fields] + ["expert_parallel"]
-    for f in fields:
-        if f.default is not dataclasses.MISSING:
-            assert signature[f.name].default == f.default, f.name
+    assert MoELayer(config, top_k=3).config == config.replace(top_k=3)
+    # every part is built from its own config, taken from the layer's by name
+    assert layer.router.config == config.router()
+    assert layer.experts.config == config.experts()
+    assert layer.shared_experts.config == config.shared_experts()
+    assert config.router().z_loss_coeff == 1e-3 and config.router().score_func == "softmax"
+
+
+def test_an_option_is_declared_once():
+    """MoEConfig holds every option of RouterConfig and ExpertsConfig (but the experts' padding,
+    which the token dispatcher decides) with the same default (but SwiGLU experts), then the
+    shared experts' three: a new router or experts option reaches the layer by itself."""
+    parts = [f for part in (ms_moe_ops.RouterConfig, ms_moe_ops.ExpertsConfig)
+             for f in dataclasses.fields(part) if f.name != "padded"]
+    fields = {f.name: f for f in dataclasses.fields(ms_moe_ops.MoEConfig)}
+    assert list(fields)[:4] == ["hidden_size", "ffn_hidden_size", "num_experts", "top_k"]
+    assert list(fields)[-3:] == ["n_shared_experts", "shared_ffn_hidden_size", "shared_expert_gate"]
+    assert set(fields) == {f.name for f in parts} | set(list(fields)[-3:]) | {"ffn_hidden_size"}
+    for f in parts:
+        expected = "swiglu" if f.name == "activation" else f.default
+        assert fields[f.name].default == expected, f.name
+    # the keyword convenience takes them all, by name
+    options = dict(n_group=2, topk_group=1, group_select_mode=0, score_func="softmax",
+                   norm_topk_prob=False, routed_scaling_factor=2.0, bias_update_rate=0.1,
+                   aux_loss_coeff=0.1, seq_aux_loss_coeff=0.2, z_loss_coeff=0.3,
+                   activation="gelu", has_bias=True, clamp_limit=0.0, n_shared_experts=2,
+                   shared_ffn_hidden_size=3, shared_expert_gate=True)
+    assert set(options) | {"hidden_size", "ffn_hidden_size", "num_experts", "top_k"} == set(fields)
+    layer = MoELayer(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, **options)
+    assert dataclasses.asdict(layer.config) == dict(hidden_size=8, ffn_hidden_size=6,
+                                                    num_experts=4, top_k=2, **options)
+    assert layer.experts.bias2.shape == (4, 8) and layer.shared_experts.weight2.shape == (6, 8)
+    with pytest.raises(TypeError, match="MoELayer: .*unexpected keyword argument 'topk'"):
+        MoELayer(8, 6, 4, 2, topk=3)
+    with pytest.raises(TypeError, match="MoELayer: takes a MoEConfig or its options"):
+        MoELayer(layer.config, 6)
+
+
+def test_expert_biases(mode):
+    """has_bias, an experts option, reaches MoELayer: the routing weight scales each expert's
+    whole output, bias2 included (the reference's formula)."""
+    layer = make_layer(has_bias=True, shared=1, activation="swiglu")
+    for p in (layer.experts.bias1, layer.experts.bias2):
+        p.set_data(Tensor(np.random.default_rng(2).normal(0, 0.5, p.shape).astype(np.float32)))
+    x = inputs((6, 8))
+    out = run(layer, tensor(x.astype(np.float32)), mode=mode)
+    expected, _ = reference(layer, x)
+    assert_close(numpy(out), expected)
 
 
 def test_deepseek_v3_checkpoint_converter():
@@ -329,7 +300,7 @@ def test_deepseek_v3_checkpoint_converter():
     not_loaded, _ = ms.load_param_into_net(
         layer, {k: Parameter(Tensor(v), name=k) for k, v in converted.items()}, strict_load=True)
     # routing statistics, not weights
-    assert sorted(not_loaded) == ["router.aux_losses", "router.tokens_per_expert"]
+    assert not_loaded == []  # the routing statistics too: a clean load
     x = inputs((5, h))
     out = numpy(layer(tensor(x.astype(np.float32))))
     # the Hugging Face formulation, token by token

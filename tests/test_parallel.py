@@ -1,14 +1,21 @@
 """ms_moe_ops.parallel in one process: the routing index arithmetic against numpy, checkpoint
-sharding, and what needs no process group. The runs on several processes are in
+sharding, the expert-parallel path on a group of one process (bit for bit the local layer), the
+launcher's environment, and what needs no process group. The runs on several processes are in
 test_parallel_distributed.py."""
+import os
+import sys
+
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import Parameter, Tensor
 
-from ms_moe_ops.parallel import ExpertParallel, gather_experts, is_expert_parameter, shard_experts
+from ms_moe_ops import MoELayer, update_expert_bias
+from ms_moe_ops.parallel import (ExpertDispatcher, ExpertParallel, OneRankExchange,
+                                 expert_parameter_names, gather_experts, is_expert_parameter,
+                                 launch, msrun, shard_experts)
 from ms_moe_ops.parallel.exchange import chunk_rows, inverse_index, transpose_chunks_index
-from conftest import run
+from cases import inputs, layer_grads, make_layer
+from conftest import numpy, run, tensor
 
 
 def _transposed_chunks(sizes, rows):
@@ -130,3 +137,86 @@ def test_checkpoint_errors(rng):
 def test_expert_parallel_needs_a_process_group():
     with pytest.raises(RuntimeError, match=r"init\(\) first"):
         ExpertParallel()
+
+
+# -- the expert-parallel path on one process ----------------------------------------------------
+
+ONE_RANK_CASES = {
+    "swiglu, gated shared": dict(e=4, k=2, shared=1, shared_expert_gate=True),
+    "fastgelu, softmax, biases": dict(e=6, k=3, activation="fastgelu", score_func="softmax",
+                                      norm_topk_prob=False, has_bias=True),
+    "groups, clamp, losses": dict(e=8, k=2, n_group=4, topk_group=2, clamp_limit=0.7,
+                                  aux_loss_coeff=0.1, seq_aux_loss_coeff=0.1, z_loss_coeff=0.01),
+}
+
+
+def _twins(**options):
+    """A local MoELayer and the same layer (same weights) on the expert-parallel path of one
+    process."""
+    local = make_layer(**options, seed=3)
+    parallel = MoELayer(local.config, expert_parallel=ExpertParallel.single())
+    for (name, p), (other, q) in zip(local.parameters_and_names(), parallel.parameters_and_names()):
+        assert name == other
+        q.set_data(Tensor(p.asnumpy()))
+    return local, parallel
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", list(ONE_RANK_CASES))
+def test_one_rank_expert_parallel_is_the_local_layer_bit_for_bit(case, dtype, mode):
+    local, parallel = _twins(**ONE_RANK_CASES[case])
+    assert isinstance(parallel.dispatcher, ExpertDispatcher)
+    assert parallel.experts.num_experts == local.experts.num_experts
+    x = inputs((2, 5, 8), seed=5, dtype=dtype)
+    cot = np.random.default_rng(6).normal(0, 1, (2, 5, 8))
+    for layer in (local, parallel):
+        layer.result = layer_grads(layer, x, cot, mode, dtype)
+        layer.out = numpy(run(layer, tensor(x, dtype), mode=mode))
+        layer.load = update_expert_bias(layer)
+    np.testing.assert_array_equal(parallel.out, local.out)
+    np.testing.assert_array_equal(parallel.result[0], local.result[0])
+    assert parallel.result[1].keys() == local.result[1].keys()
+    for name, grad in local.result[1].items():
+        np.testing.assert_array_equal(parallel.result[1][name], grad, err_msg=name)
+    np.testing.assert_array_equal(parallel.load, local.load)
+    assert local.load.sum() > 0
+    np.testing.assert_array_equal(parallel.router.expert_bias.asnumpy(),
+                                  local.router.expert_bias.asnumpy())
+    np.testing.assert_array_equal(parallel.router.aux_losses.asnumpy(),
+                                  local.router.aux_losses.asnumpy())
+
+
+def test_one_rank_group():
+    ep = ExpertParallel.single()
+    assert (ep.group, ep.rank, ep.size) == (None, 0, 1)
+    layer = MoELayer(8, 6, 4, 2, expert_parallel=ep)
+    assert isinstance(layer.dispatcher.exchange, OneRankExchange)
+    assert not layer.dispatcher.padded and layer.router.count_reducer is None
+    assert expert_parameter_names(layer) == {"experts.weight1", "experts.weight2"}
+    assert expert_parameter_names(MoELayer(8, 6, 4, 2)) == set()
+
+
+# -- msrun --------------------------------------------------------------------------------------
+
+def test_workers_start_with_the_callers_interpreter(monkeypatch, tmp_path):
+    """msrun starts each worker as `python` looked up on PATH: the caller's interpreter's
+    directory goes first, so a virtual environment that is not activated works too."""
+    started = {}
+
+    class Launcher:
+        pid = 0
+
+        def __init__(self, cmd, env, **kwargs):
+            started.update(cmd=cmd, env=env)
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Launcher)
+    monkeypatch.setattr(launch, "_end_job", lambda launcher: None)
+    bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+    msrun("script.py", workers=2, log_dir=str(tmp_path), env={"PATH": "/usr/bin:/bin"})
+    assert started["cmd"][0] == sys.executable
+    assert started["env"]["PATH"].split(os.pathsep) == [bin_dir, "/usr/bin", "/bin"]
+    assert launch.worker_path(f"/usr/bin{os.pathsep}{bin_dir}").split(os.pathsep) == [bin_dir, "/usr/bin"]
+    assert launch.worker_path(None) == bin_dir

@@ -1,5 +1,6 @@
 """Expert parallelism on 2 processes launched with msrun (CPU, the AllReduce exchange), against
-one process that holds every expert and takes the tokens of both ranks (tests/ep_case.py).
+one process that holds every expert and takes the tokens of both ranks (the expert-parallel
+case of tests/cases.py).
 
 One launch (tests/ep_worker.py) does every check, because starting a cluster costs 15-25 s; the
 single-process side is computed here while the workers run. A launch that fails or hangs fails
@@ -13,11 +14,11 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor, nn
 
-import ep_case as case
+import cases as case
 from conftest import DEVICE, RTOL, assert_close, cpu_only
 from ms_moe_ops.parallel import LaunchError, gather_experts, is_expert_parameter, msrun
 
-pytestmark = cpu_only("the workers run on the CPU backend")
+pytestmark = [pytest.mark.distributed, cpu_only("the workers run on the CPU backend")]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep_worker.py")
 TOL = 1e-5
@@ -50,21 +51,21 @@ def launched(tmp_path_factory):
 
 def _single_process():
     """The case in one process holding every expert, on all ranks' tokens."""
-    x, cot, target = case.tokens()
+    x, cot, target = case.ep_tokens()
     result = {}
-    for config, mode, train in case.RUNS:
+    for config, mode, train in case.EP_RUNS:
         case.set_mode(mode)
         key = f"{config}/{mode}/"
-        layer = case.make_layer(config)
-        case.load(layer, case.full_weights(config))
+        layer = case.ep_layer(config)
+        case.load_weights(layer, case.ep_weights(config))
         result.update({key + k: v for k, v in case.forward_backward(layer, x, cot).items()})
         if train:
-            case.load(layer, case.full_weights(config))
+            case.load_weights(layer, case.ep_weights(config))
             trained = case.train(layer, x, target, nn.TrainOneStepCell)
             result.update({key + k: v for k, v in trained.items()})
     case.set_mode("pynative")
-    layer = case.make_layer("swiglu")
-    case.load(layer, case.full_weights("swiglu"))
+    layer = case.ep_layer("swiglu")
+    case.load_weights(layer, case.ep_weights("swiglu"))
     result["swiglu/bfloat16/out"] = layer(Tensor(x, ms.bfloat16)).astype(ms.float32).asnumpy()
     return result
 
@@ -73,8 +74,8 @@ def _concat(ranks, key):
     return np.concatenate([r[key] for r in ranks])
 
 
-RUN_IDS = [f"{c}-{m}" for c, m, _ in case.RUNS]
-TRAINED = [(c, m) for c, m, t in case.RUNS if t]
+RUN_IDS = [f"{c}-{m}" for c, m, _ in case.EP_RUNS]
+TRAINED = [(c, m) for c, m, t in case.EP_RUNS if t]
 
 
 # -- the exchange pair ----------------------------------------------------------------------------
@@ -115,7 +116,7 @@ def test_exchange_pair_is_an_alltoallv_and_its_transpose(launched):
 
 # -- the layer ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config, mode", [r[:2] for r in case.RUNS], ids=RUN_IDS)
+@pytest.mark.parametrize("config, mode", [r[:2] for r in case.EP_RUNS], ids=RUN_IDS)
 def test_output_and_input_gradient(launched, config, mode):
     ranks, single, _ = launched
     key = f"{config}/{mode}/"
@@ -123,7 +124,7 @@ def test_output_and_input_gradient(launched, config, mode):
     assert_close(_concat(ranks, key + "dx"), single[key + "dx"], rtol=TOL)
 
 
-@pytest.mark.parametrize("config, mode", [r[:2] for r in case.RUNS], ids=RUN_IDS)
+@pytest.mark.parametrize("config, mode", [r[:2] for r in case.EP_RUNS], ids=RUN_IDS)
 def test_parameter_gradients(launched, config, mode):
     """Router and shared experts: per-rank parts that sum to the single-process gradient.
     Experts: each rank's gradient is complete, the single-process one of its experts."""
@@ -140,7 +141,7 @@ def test_parameter_gradients(launched, config, mode):
         assert_close(got, single[key + name], rtol=TOL)
 
 
-@pytest.mark.parametrize("config, mode", [r[:2] for r in case.RUNS], ids=RUN_IDS)
+@pytest.mark.parametrize("config, mode", [r[:2] for r in case.EP_RUNS], ids=RUN_IDS)
 def test_expert_bias_after_an_update(launched, config, mode):
     ranks, single, _ = launched
     key = f"{config}/{mode}/expert_bias"
@@ -178,9 +179,9 @@ def test_checkpoint_of_two_ranks_loads_in_one_process(launched, config, mode):
     files = sorted(glob.glob(os.path.join(out, f"{config}-{mode}-rank*.ckpt")))
     assert len(files) == case.RANKS
     full = gather_experts([ms.load_checkpoint(f) for f in files])
-    layer = case.make_layer(config)
+    layer = case.ep_layer(config)
     assert not ms.load_param_into_net(layer, full)[0]  # nothing left unloaded
-    x, _, _ = case.tokens()
+    x, _, _ = case.ep_tokens()
     assert_close(layer(Tensor(x)).asnumpy(), _concat(ranks, f"{config}/{mode}/trained_out"), rtol=TOL)
 
 
@@ -204,7 +205,7 @@ def test_alltoallv_primitive_builds(launched):
     """The Ascend exchange's primitive, as MindSpore 2.10 documents it: the group and a
     block_size of H elements so that its split lists count rows (running it needs HCCL)."""
     ranks, _, _ = launched
-    assert str(ranks[0]["alltoallv/attrs"]) == repr(("AlltoAllV", "mccl_world_group", case.HIDDEN, 2))
+    assert str(ranks[0]["alltoallv/attrs"]) == repr(("AlltoAllV", "mccl_world_group", case.EP_HIDDEN, 2))
 
 
 def test_a_hung_launch_fails_with_the_worker_logs(tmp_path):

@@ -1,0 +1,253 @@
+"""Test cases shared by several test modules (and the expert-parallel workers): MoELayers with
+their weights, inputs and gradients, and the expert-parallel case. Test modules import from here,
+never from each other."""
+import numpy as np
+import mindspore as ms
+from mindspore import ParameterTuple, Tensor, nn, ops
+
+from ms_moe_ops import MoELayer, moe_ffn, reference as ref, reset_expert_load, update_expert_bias
+from conftest import numpy, rounded, run, tensor
+
+
+# -- a MoELayer, its numpy reference and its gradients ---------------------------------------------
+
+def make_layer(h=8, f=6, e=4, k=2, seed=0, shared=0, **kw):
+    """A MoELayer with random weights large enough that routing choices are far from ties."""
+    layer = MoELayer(h, f, e, k, n_shared_experts=shared, **kw)
+    rng = np.random.default_rng(seed)
+    for p in layer.trainable_params():
+        scale = 0.6 if "router" in p.name else 0.4
+        p.set_data(Tensor(rng.normal(0, scale, p.shape).astype(np.float32)))
+    return layer
+
+
+def params(layer):
+    """The reference's keyword arguments from the layer's parameters (float64)."""
+    p = {name.split(".", 1)[-1] if name.startswith("layer.") else name: v.asnumpy().astype(np.float64)
+         for name, v in layer.parameters_and_names()}
+    out = dict(router_weight=p["router.weight"], expert_bias=p["router.expert_bias"].astype(np.float32),
+               weight1=p["experts.weight1"], weight2=p["experts.weight2"])
+    for name in ("bias1", "bias2"):
+        if "experts." + name in p:
+            out[name] = p["experts." + name]
+    if "shared_experts.weight1" in p:
+        out.update(shared_weight1=p["shared_experts.weight1"], shared_weight2=p["shared_experts.weight2"])
+    if "shared_experts.gate" in p:
+        out.update(shared_gate=p["shared_experts.gate"])
+    return out
+
+
+def config(layer):
+    """The reference's options from the layer's."""
+    r = layer.router
+    return dict(top_k=layer.top_k, n_group=r.n_group, topk_group=r.topk_group,
+                group_select_mode=r.group_select_mode,
+                routed_scaling_factor=r.routed_scaling_factor,
+                score_func=r.score_func, norm_topk_prob=r.norm_topk_prob,
+                activation=layer.experts.activation, clamp_limit=layer.experts.clamp_limit)
+
+
+def reference(layer, x, **overrides):
+    """(out, expert_idx) of the numpy reference at the layer's weights and options."""
+    return ref.moe_layer(x, **{**params(layer), **config(layer), **overrides})
+
+
+def rounded_experts(layer, dtype):
+    """The expert weights as the layer uses them in dtype (rounded), as reference overrides."""
+    p = params(layer)
+    return {k: rounded(v, dtype) for k, v in p.items() if k not in ("router_weight", "expert_bias")}
+
+
+def inputs(shape, seed=1, dtype="float32"):
+    return rounded(np.random.default_rng(seed).normal(0, 1, shape), dtype)
+
+
+class _Objective(nn.Cell):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def construct(self, x, cotangent):
+        return (self.layer(x).astype(ms.float32) * cotangent).sum()
+
+
+def layer_grads(layer, x, cotangent, mode, dtype="float32"):
+    """(d/dx, {parameter name: d/dparam}) of sum(layer(x) * cotangent)."""
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    try:
+        weights = layer.trainable_params()
+        fn = ms.grad(_Objective(layer), grad_position=0, weights=weights)
+        gx, gw = fn(tensor(x, dtype), Tensor(cotangent.astype(np.float32)))
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    names = [p.name.split("layer.", 1)[-1] for p in weights]
+    return numpy(gx), {n: numpy(g) for n, g in zip(names, gw)}
+
+
+# -- the int8 path of moe_ffn (test_ffn_int8.py, test_determinism.py) --------------------------------
+
+INT8_FFN_INPUTS = ("x", "tokens", "w1", "w2", "b1", "b2", "scale", "offset", "dq1", "dq2")
+
+
+def int8_ffn_case(rng, counts=(5, 0, 9, 4), h=13, f=70, bias=True, deq="uint64"):
+    """Random int8 data with scales that put the requantised activation over most of int8
+    (saturating a little); shapes not multiples of the kernel's tiles."""
+    e, m = len(counts), int(sum(counts))
+    i8 = lambda *s: rng.integers(-128, 128, s).astype(np.int8)
+    v = dict(x=i8(m, h), tokens=np.array(counts, np.int64), w1=i8(e, h, f), w2=i8(e, f, h),
+             b1=rng.integers(-20000, 20000, (e, f)).astype(np.int32) if bias else None,
+             b2=rng.integers(-20000, 20000, (e, h)).astype(np.int32) if bias else None,
+             scale=rng.uniform(100, 200, e).astype(np.float32),
+             offset=np.float32([-150] + list(rng.uniform(-40, 40, e - 1))),
+             dq1=(rng.uniform(0.5, 2, (e, f)) / (128 * 128 * np.sqrt(h))).astype(np.float32),
+             dq2=(rng.uniform(0.5, 2, (e, h)) / (128 * 128 * np.sqrt(f))).astype(np.float32))
+    if deq == "uint64":
+        v["dq1"], v["dq2"] = ref.float_to_deq_scale(v["dq1"]), ref.float_to_deq_scale(v["dq2"])
+    return v
+
+
+def int8_ffn(v, mode="pynative", **kw):
+    def fn(x, tokens, w1, w2, b1, b2, scale, offset, dq1, dq2):
+        return moe_ffn(x, tokens, w1, w2, b1, b2, scale, offset, dq1, dq2, **kw)
+
+    return run(fn, *(None if v[n] is None else Tensor(v[n]) for n in INT8_FFN_INPUTS), mode=mode)
+
+
+# -- the expert-parallel case -------------------------------------------------------------------
+# Run by both sides of tests/test_parallel_distributed.py: the msrun workers (tests/ep_worker.py,
+# one rank each) and the single process that holds every expert and takes the tokens of all ranks.
+
+RANKS = 2
+EP_TOKENS = 6  # per rank
+EP_HIDDEN = 8
+EP_CONFIGS = {
+    # DeepSeek-V3 like, with Qwen2-MoE's gated shared expert
+    "swiglu": dict(ffn_hidden_size=6, num_experts=4, top_k=2, n_shared_experts=1,
+                   shared_expert_gate=True),
+    # DeepSeek-V2 like router: softmax, weights not renormalised
+    "fastgelu": dict(ffn_hidden_size=5, num_experts=6, top_k=3, activation="fastgelu",
+                     score_func="softmax", norm_topk_prob=False),
+}
+# (configuration, mode, train too): forward-backward everywhere, the 5 training steps once per
+# mode (each launch costs, so not every combination)
+EP_RUNS = (("swiglu", "pynative", False), ("swiglu", "graph", True), ("fastgelu", "pynative", True))
+STEPS = 5
+LEARNING_RATE = 0.2
+BIAS_UPDATE_RATE = 0.05
+
+
+def set_mode(mode):
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+
+
+def ep_layer(config_name, expert_parallel=None):
+    return MoELayer(EP_HIDDEN, **EP_CONFIGS[config_name], bias_update_rate=BIAS_UPDATE_RATE,
+                    expert_parallel=expert_parallel)
+
+
+def ep_weights(config_name, seed=0):
+    """{name: numpy} for a single-process layer: random weights large enough that routing
+    choices are far from ties, zero expert_bias and counts."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, p in ep_layer(config_name).parameters_and_names():
+        scale = 0.6 if "router" in name else 0.4
+        out[name] = (rng.normal(0, scale, p.shape) if p.requires_grad
+                     else np.zeros(p.shape)).astype(np.float32)
+    return out
+
+
+def load_weights(layer, weights):
+    for name, p in layer.parameters_and_names():
+        p.set_data(Tensor(np.asarray(weights[name], np.float32)))
+
+
+def weights_of(layer):
+    return {name: p.asnumpy().copy() for name, p in layer.parameters_and_names()}
+
+
+def ep_tokens(seed=1):
+    """(x, cotangent, target) of all ranks, [RANKS * EP_TOKENS, EP_HIDDEN] float32 each; rank r
+    has rows [r * EP_TOKENS, (r + 1) * EP_TOKENS)."""
+    rng = np.random.default_rng(seed)
+    shape = (RANKS * EP_TOKENS, EP_HIDDEN)
+    return tuple(rng.normal(0, 1, shape).astype(np.float32) for _ in range(3))
+
+
+class ForwardBackward(nn.Cell):
+    """(layer(x), d/dx, d/d(trainable parameters)) of sum(layer(x) * cotangent)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.objective = _Objective(layer)
+        self.weights = ParameterTuple(layer.trainable_params())
+        self.grad = ops.GradOperation(get_all=True, get_by_list=True)
+
+    def construct(self, x, cotangent):
+        out = self.objective.layer(x)
+        (dx, _), dweights = self.grad(self.objective, self.weights)(x, cotangent)
+        return out, dx, dweights
+
+
+def forward_backward(layer, x, cotangent):
+    """{"out", "dx", "grad/<name>", "expert_bias"} after one forward-backward and a bias update
+    driven by its counts."""
+    reset_expert_load(layer)
+    out, dx, dweights = ForwardBackward(layer)(Tensor(x), Tensor(cotangent))
+    update_expert_bias(layer)
+    result = {"out": out.asnumpy(), "dx": dx.asnumpy(),
+              "expert_bias": layer.router.expert_bias.asnumpy().copy()}
+    for p, g in zip(layer.trainable_params(), dweights):
+        result["grad/" + p.name] = g.asnumpy()
+    return result
+
+
+def train(layer, x, target, train_step):
+    """STEPS steps of SGD on the mean squared error, with a bias update after each:
+    {"loss": [STEPS], "weights/<name>"...}. train_step(network, optimizer) builds the step."""
+    reset_expert_load(layer)
+    optimizer = nn.SGD(layer.trainable_params(), learning_rate=LEARNING_RATE)
+    step = train_step(nn.WithLossCell(layer, nn.MSELoss()), optimizer)
+    losses = []
+    for _ in range(STEPS):
+        losses.append(float(step(Tensor(x), Tensor(target)).asnumpy()))
+        update_expert_bias(layer)
+    result = {"loss": np.array(losses)}
+    result.update({"weights/" + k: v for k, v in weights_of(layer).items()})
+    return result
+
+
+# -- the exchange pair on its own -----------------------------------------------------------------
+
+EXCHANGE_ROWS = 5  # per rank
+EXCHANGE_HIDDEN = 3
+
+
+def exchange_case(seed=2):
+    """send [RANKS, RANKS] int64 (send[s, d]: rows s sends to d; each row sums to
+    EXCHANGE_ROWS, with zeros), x [RANKS, M, H] (rows of each rank, by destination),
+    y [RANKS, RANKS * M, H] (what each rank sends back), cot [RANKS, RANKS * M, H]."""
+    rng = np.random.default_rng(seed)
+    send = np.zeros((RANKS, RANKS), np.int64)
+    for s in range(RANKS):
+        cuts = np.sort(rng.integers(0, EXCHANGE_ROWS + 1, RANKS - 1))
+        send[s] = np.diff(np.concatenate([[0], cuts, [EXCHANGE_ROWS]]))
+    send[0] = [EXCHANGE_ROWS] + [0] * (RANKS - 1)  # rank 1 receives nothing from rank 0
+    m, h = EXCHANGE_ROWS, EXCHANGE_HIDDEN
+    x = rng.normal(0, 1, (RANKS, m, h)).astype(np.float32)
+    y = rng.normal(0, 1, (RANKS, RANKS * m, h)).astype(np.float32)
+    cot = rng.normal(0, 1, (RANKS, RANKS * m, h)).astype(np.float32)
+    return send, x, y, cot
+
+
+def alltoallv(x, send):
+    """numpy AlltoAllV: x [RANKS, rows, H] per source -> per destination the rows received,
+    source by source (a list of [R_d, H])."""
+    out = []
+    for d in range(RANKS):
+        parts = []
+        for s in range(RANKS):
+            start = send[s, :d].sum()
+            parts.append(x[s][start:start + send[s, d]])
+        out.append(np.concatenate(parts))
+    return out
