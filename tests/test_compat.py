@@ -67,7 +67,8 @@ def test_is_constant_tells_static_from_dynamic_dimensions():
     assert seen == [(False, True)], f"isconstant of (dynamic, static) dims gave {seen}"
 
 
-@pytest.mark.parametrize("name", ["gmm_v2_op", "gmm_v2_backward_op", "FFNExt", "tensor_to_tuple"])
+@pytest.mark.parametrize("name", ["gmm_v2_op", "gmm_v2_backward_op", "FFNExt", "tensor_to_tuple",
+                                  "transpose_ext_view"])
 def test_generated_primitives_exist(name):
     assert callable(_compat.auto_generate(name)), f"mindspore.ops.auto_generate.{name} is gone"
 
@@ -83,3 +84,22 @@ def test_mixed_precision_switch_and_rewrite_list_exist():
     assert MoELayer in namespace._subtree_black_list
     cell = nn.Cell()
     cell.mixed_precision_type = _compat.NO_AUTOMATIC_CASTS  # accepted by Cell
+
+
+def test_mindspore_warnings_reach_its_logger():
+    import logging
+
+    from mindspore.common._decorator import deprecated
+
+    logger = _compat.mindspore_logger()
+    assert isinstance(logger, logging.Logger)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        deprecated("2.9.0", "new_api", False, "ops.")(lambda: None)()
+    finally:
+        logger.removeHandler(handler)
+    assert any("is deprecated" in m for m in seen), (
+        f"MindSpore's deprecation notices no longer reach mindspore_logger(): {seen}")

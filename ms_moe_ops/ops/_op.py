@@ -38,9 +38,15 @@ _log = logging.getLogger("ms_moe_ops")
 KERNEL, ACLNN, BUILTIN, COMPOSITION = "kernel", "aclnn", "builtin", "composition"
 IMPL_NAMES = (KERNEL, ACLNN, BUILTIN, COMPOSITION)
 MODES = (_platform.GRAPH, _platform.PYNATIVE)
-# C types a scalar can have when it crosses a Custom aclnn registration, by reg-info type. There
-# is no string: MindSpore's aclnn path cannot pass a char*.
-ACLNN_SCALARS = {"int": "int64_t", "bool": "bool", "float": "float", "double": "double"}
+# C types a scalar can have when it crosses a Custom aclnn registration, by reg-info type
+# (MindSpore 2.10 mindspore/ops/operations/_custom_ops_utils.py, _get_type_declaration; its C++
+# side keeps a string alive for the call, so a char* crosses too). A list of ints (aclIntArray)
+# could only be a constant of the graph: a Custom primitive declares no input whose value is
+# read on the host at run time.
+ACLNN_SCALARS = {"int": "int64_t", "bool": "bool", "float": "float", "double": "double",
+                 "str": "char*"}
+# a kernel's optional tensor argument this package never passes (always nullptr)
+ABSENT = "absent"
 
 
 @dataclass(frozen=True)
@@ -73,12 +79,24 @@ class Attr:
 
 
 class AclnnBinding(NamedTuple):
-    """How an aclnn kernel is called: its name, its call arguments in the prototype's order as
-    (name, "tensor" or a reg-info scalar type), and the dtype combinations it is called with
-    (inputs then outputs)."""
+    """How an aclnn kernel is called: its name; its call arguments in the prototype's order as
+    (name, kind), kind "tensor" (an input of the OpDef), ABSENT (an optional tensor argument
+    passed as None) or a reg-info scalar type (an attribute of the OpDef, or one of `fixed`);
+    the dtype combinations it is called with (the OpDef's inputs in its order, then outputs);
+    `fixed`: (name, value) of scalar arguments the OpDef has no attribute for."""
     kernel: str
     args: Tuple[Tuple[str, str], ...]
     dtypes: Tuple[Tuple[str, ...], ...]
+    fixed: Tuple[Tuple[str, object], ...] = ()
+
+    @property
+    def tensors(self):
+        """The tensor arguments (present and absent), in the kernel's order."""
+        return tuple(arg for arg, kind in self.args if kind in ("tensor", ABSENT))
+
+    @property
+    def scalars(self):
+        return tuple((arg, kind) for arg, kind in self.args if kind not in ("tensor", ABSENT))
 
 
 class TensorInfo(NamedTuple):
@@ -104,6 +122,10 @@ class Impl:
     available() -> '' when what the implementation calls is installed here (the CPU kernel
     library was built, the installed CANN has the aclnn kernel), else the reason it is not;
     asked only on the target, SoC and mode the implementation runs on.
+    warn: a cost worth knowing (e.g. "G times the flops"): logged at WARNING whenever the
+    resolver chooses this implementation by itself.
+    about: what it calls, in a few words (the implementation tables of docs/ and of
+    `python -m ms_moe_ops.info` show it).
     """
     name: str
     build: Callable
@@ -114,20 +136,29 @@ class Impl:
     grad: object = "op"
     binding: Optional[AclnnBinding] = None
     available: Optional[Callable] = None
+    warn: str = ""
+    about: str = ""
 
     def __post_init__(self):
         if self.name not in IMPL_NAMES:
             raise ValueError(f"Impl: name must be one of {IMPL_NAMES}, got {self.name!r}")
 
-    def unavailable(self, target, soc, mode):
-        """Why this implementation cannot run on (target, soc, mode), or '' when it can."""
+    def elsewhere(self, target, soc, mode):
+        """Why this implementation does not run on (target, soc, mode) at all, or ''."""
         if self.target is not None and target != self.target:
             return f"runs on {self.target} only"
         if self.socs is not None and soc not in self.socs:
             return f"runs on {'/'.join(self.socs)} only"
         if mode not in self.modes:
             return f"runs in {'/'.join(self.modes)} mode only"
-        return self.available() if self.available is not None else ""
+        return ""
+
+    def unavailable(self, target, soc, mode):
+        """Why this implementation cannot run here (elsewhere, or not installed), or ''."""
+        why = self.elsewhere(target, soc, mode)
+        if not why and self.available is not None:
+            why = self.available()
+        return why
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: declared once
@@ -180,19 +211,25 @@ class OpDef:
 
 
 def _check_binding(op, binding):
-    """An aclnn binding names the OpDef's inputs in order, then attributes of crossable types,
-    and gives a dtype for every input and output."""
+    """An aclnn binding passes every input of the OpDef once, as tensor arguments before every
+    scalar (MindSpore passes a registration's inputs first, then its attributes), scalars of
+    crossable types that are attributes or fixed values, and gives a dtype for every input and
+    output."""
     kernel, args = binding.kernel, binding.args
-    tensors = tuple(arg for arg, kind in args if kind == "tensor")
-    if args[:len(tensors)] != tuple((t, "tensor") for t in op.inputs):
-        raise ValueError(f"{op.name}: the {kernel} binding must list the inputs {op.inputs} first "
-                         f"and in order, got {tensors}")
-    attrs = {a.name for a in op.attrs}
-    for arg, kind in args[len(tensors):]:
+    present = [arg for arg, kind in args if kind == "tensor"]
+    if sorted(present) != sorted(op.inputs):
+        raise ValueError(f"{op.name}: the {kernel} binding must pass the inputs {op.inputs} "
+                         f"once each, got {tuple(present)}")
+    if [kind in ("tensor", ABSENT) for _, kind in args] != \
+            [True] * len(binding.tensors) + [False] * len(binding.scalars):
+        raise ValueError(f"{op.name}: the {kernel} binding must list its tensors before its "
+                         f"scalars, got {args}")
+    known = {a.name for a in op.attrs} | {name for name, _ in binding.fixed}
+    for arg, kind in binding.scalars:
         if kind not in ACLNN_SCALARS:
             raise TypeError(f"{op.name}: {kernel} argument '{arg}' has type {kind!r}, which cannot "
                             f"cross a Custom aclnn registration (only {sorted(ACLNN_SCALARS)})")
-        if arg not in attrs:
+        if arg not in known:
             raise ValueError(f"{op.name}: {kernel} argument '{arg}' is not an attribute of the op")
     width = len(op.inputs) + len(op.outputs)
     if not binding.dtypes or any(len(row) != width for row in binding.dtypes):
@@ -272,7 +309,10 @@ def choose(op, attr_items, platform, signature):
     for impl in op.impls:
         why = impl.unavailable(target, soc, mode) or _refusal(impl, attrs, args)
         if not why:
-            if passed:
+            if impl.warn:
+                _log.warning("%s: %s on %s (%s); passed over: %s", op.name, impl.name, where,
+                             impl.warn, "; ".join(passed) or "none")
+            elif passed:
                 _log.info("%s: %s on %s; passed over: %s", op.name, impl.name, where,
                           "; ".join(passed))
             else:
