@@ -61,6 +61,14 @@ def _gmm_grouped_reduction(graph, soc):
             yield f"{node.where()}: group_type 2 takes no bias"
 
 
+def _gmm_weight_not_copied(graph, soc):
+    for node in graph.of("GroupedMatmulV4"):
+        weight = graph.through_tuples(node.args[_GMM_W])
+        if weight is not None and weight.prim == "Transpose":
+            yield (f"{node.where()}: the weight is a transposed copy ({weight.where()}), made on "
+                   f"every call: pass a TransposeExtView")
+
+
 def _gmm_dtypes(graph, soc):
     for node in graph.of("GroupedMatmulV4"):
         x, w = dtype_of(node.inputs[_GMM_X]), dtype_of(node.inputs[_GMM_W])
@@ -278,6 +286,10 @@ RULES = (
          "CANN aclnnGroupedMatmulV4: with groupType 2 x must be transposed and non-contiguous and "
          "bias null; MindSpore 2.10's own GMM backward feeds TransposeExtView",
          _gmm_grouped_reduction),
+    Rule("gmm-weight-view", ("GroupedMatmulV4",),
+         "CANN aclnnGroupedMatmulV4: a transposed weight is taken as a non-contiguous view (a "
+         "copy of every expert's weights per call costs their size in memory traffic)",
+         _gmm_weight_not_copied),
     Rule("gmm-dtypes", ("GroupedMatmulV4",),
          "CANN aclnnGroupedMatmulV4: x and weight FLOAT16/BFLOAT16/FLOAT32 alike, a bfloat16 "
          "product's bias FLOAT32, groupListOptional INT64",

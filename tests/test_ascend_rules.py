@@ -87,6 +87,15 @@ def test_grouped_reduction_needs_the_transposed_view():
     assert broken("gmm-grouped-reduction", graph(view, as_tuple, with_bias))
 
 
+def test_gmm_weight_view():
+    copy = node(50, "Transpose", ["%para1_w", "(I64(0), I64(2), I64(1))"], [t("Float32", 4, 8, 32)],
+                t("Float32", 4, 32, 8))
+    view = node(50, "TransposeExtView", ["%para1_w", "I64(1)", "I64(2)", "U"],
+                [t("Float32", 4, 8, 32)], t("Float32", 4, 32, 8))
+    assert broken("gmm-weight-view", graph(copy, gmm(3, "%2", 0)))
+    assert broken("gmm-weight-view", graph(view, gmm(3, "%2", 0))) == []
+
+
 def test_gmm_dtypes_and_shapes():
     assert broken("gmm-dtypes", graph(gmm(3, "%2", 0))) == []
     mixed = gmm(3, "%2", 0, x_type=t("BFloat16", 16, 32), w_type=t("Float16", 4, 32, 8))
