@@ -220,6 +220,64 @@ def test_override_is_read_on_every_call(monkeypatch, caplog):
     np.testing.assert_array_equal(kernel_out[1].asnumpy(), composed_out[1].asnumpy())
 
 
+# -- what runs -------------------------------------------------------------------------------------
+
+def _router_call():
+    x = Tensor(np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32))
+    return lambda **attrs: GATING_TOP_K(x, None, k=2, **attrs)
+
+
+@pytest.mark.parametrize("forced", ["kernel", "composition"])
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_the_forced_implementation_is_the_one_that_runs(monkeypatch, forced, mode):
+    from conftest import run
+    from ms_moe_ops.ops import record_choices
+
+    x = Tensor(np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32))
+
+    def route(v):
+        return GATING_TOP_K(v, None, k=2, eps=1e-9)[0]
+
+    monkeypatch.setenv(_platform.IMPL_ENV, forced)
+    with record_choices() as ran:
+        run(route, x, mode=mode)
+    assert ran == [("moe_gating_top_k", forced)]
+
+
+def test_the_built_callable_is_the_chosen_implementations():
+    # the same attributes built for two implementations: each call runs its own
+    from ms_moe_ops.ops import record_choices
+
+    call = _router_call()
+    with record_choices() as ran:
+        for forced in ("composition", "kernel", "composition"):
+            os.environ[_platform.IMPL_ENV] = forced
+            try:
+                call(eps=1e-7)
+            finally:
+                del os.environ[_platform.IMPL_ENV]
+    assert ran == [("moe_gating_top_k", n) for n in ("composition", "kernel", "composition")]
+
+
+@pytest.mark.parametrize("spelling", ["Composition", " COMPOSITION ", "composition"])
+def test_the_override_is_read_in_any_letter_case(monkeypatch, spelling):
+    from ms_moe_ops.ops import record_choices
+
+    monkeypatch.setenv(_platform.IMPL_ENV, spelling)
+    with record_choices() as ran:
+        _router_call()(eps=1e-8)
+    assert ran == [("moe_gating_top_k", "composition")]
+
+
+def test_attribute_cache_keeps_an_int_and_a_float_apart():
+    call = _router_call()
+    call(group_count=1)
+    with pytest.raises(TypeError, match="attribute 'group_count' must be int"):
+        call(group_count=1.0)
+    with pytest.raises(TypeError, match="attribute 'out_flag' must be bool"):
+        call(out_flag=1)
+
+
 # -- the log and the cache ------------------------------------------------------------------------
 
 def test_a_fallback_is_logged_with_its_reasons(caplog):

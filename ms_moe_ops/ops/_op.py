@@ -18,6 +18,7 @@ Resolution rules (`choose`):
 - If none fits: NotImplementedError naming the platform and every implementation's reason.
 Choices are cached per (operator, attributes, target, SoC, mode, override, input dtypes/shapes).
 """
+import contextlib
 import functools
 import logging
 import numbers
@@ -273,7 +274,26 @@ def _resolve_now(op, signature, **kwargs):
     platform = (target, _platform.soc_family(target), _platform.execution_mode(),
                 _platform.forced_impl())
     impl = choose(op, items, platform, signature)
-    return built(op, impl, items)
+    name, fn = built(op, impl, items)
+    for log in _RECORDERS:
+        log.append((op.name, name))
+    return fn
+
+
+_RECORDERS = []  # the lists of record_choices() blocks open now
+
+
+@contextlib.contextmanager
+def record_choices():
+    """Lists, in order, (operator, implementation) of every operator call resolved inside the
+    block, as what runs: the implementation of the callable handed out (in PyNative mode every
+    call; in GRAPH mode every call site while a graph is compiled)."""
+    log = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(log)
 
 
 # Run in Python while a graph is built: the choice is made once per compiled graph.
@@ -350,7 +370,8 @@ _FORWARDS = []  # the callables _WithBprop Cells run, by index
 
 
 def built(op, impl, attr_items):
-    """The callable of one implementation for one attribute set (built once)."""
+    """(implementation name, callable) of one implementation for one attribute set (built
+    once)."""
     key = (op, impl.name, attr_items)
     if key not in _BUILT:
         attrs = dict(attr_items)
@@ -363,7 +384,7 @@ def built(op, impl, attr_items):
         if bprop is not None:
             _FORWARDS.append(fn)
             fn = _WithBprop(len(_FORWARDS) - 1, bprop)
-        _BUILT[key] = fn
+        _BUILT[key] = impl.name, fn
     return _BUILT[key]
 
 
