@@ -69,3 +69,13 @@ def register_opaque_to_rewrite(*cells):
     opaque = getattr(namespace, "_subtree_black_list", None)
     if isinstance(opaque, list):
         opaque.extend(c for c in cells if c not in opaque)
+
+
+# -- logging --------------------------------------------------------------------------------------
+
+def mindspore_logger():
+    """The logging.Logger MindSpore writes its Python-side warnings to (deprecations among them);
+    it does not propagate to the root logger."""
+    from mindspore import log  # pylint: disable=import-outside-toplevel
+
+    return log._get_logger()  # pylint: disable=protected-access

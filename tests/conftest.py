@@ -319,3 +319,49 @@ def isa(request, monkeypatch):
     if path is not None:
         monkeypatch.setenv("MS_MOE_OPS_ISA", path)
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# MindSpore's deprecation warnings caused by the package fail the test that caused them (the
+# APIs MindSpore only documents as deprecated are found by tests/test_deprecations.py).
+
+class _DeprecationsFromThePackage:
+    """A handler on MindSpore's logger keeping the deprecation notices raised with a frame of
+    ms_moe_ops on the stack."""
+
+    def __init__(self):
+        import logging
+        import traceback
+
+        self.found = []
+        package = os.sep + "ms_moe_ops" + os.sep
+        handler = logging.Handler(logging.WARNING)
+
+        def emit(record):
+            message = record.getMessage()
+            if "deprecated" in message.lower() and any(
+                    package in frame.filename for frame in traceback.extract_stack()):
+                self.found.append(message)
+
+        handler.emit = emit
+        self.handler = handler
+
+
+@pytest.fixture(scope="session")
+def _deprecation_watch():
+    from ms_moe_ops._compat import mindspore_logger
+
+    watch = _DeprecationsFromThePackage()
+    logger = mindspore_logger()
+    logger.addHandler(watch.handler)
+    yield watch
+    logger.removeHandler(watch.handler)
+
+
+@pytest.fixture(autouse=True)
+def _no_deprecated_mindspore_api(_deprecation_watch):
+    yield
+    found, _deprecation_watch.found[:] = list(_deprecation_watch.found), []
+    if found:
+        pytest.fail("the package called MindSpore APIs that MindSpore says are deprecated:\n"
+                    + "\n".join(found))

@@ -16,14 +16,13 @@ from ms_moe_ops import reference as ref
 from ms_moe_ops.ops import OPERATORS, _op, _platform
 from ms_moe_ops.ops.ffn import MOE_FFN
 from ms_moe_ops.ops.grouped_matmul import cover_every_row
+from ascend_sim import ASCEND_ONLY, as_on, backend_refusal
 from conftest import cpu_only, grad, numpy, run, tensor
 from test_compositions import CASES, _t
 
 pytestmark = cpu_only("builds the Ascend implementations on CPU, where they cannot run")
 
 ASCEND = [(op, impl) for op in OPERATORS for impl in op.impls if impl.target == "Ascend"]
-# The CPU backend's refusals once the front end is done (kernel selection / kernel build).
-BACKEND_REFUSALS = ("Kernel select failed", "on CPU, user defined function path 'aclnn")
 
 
 @pytest.mark.parametrize("op,impl", ASCEND, ids=[f"{o.name}-{i.name}" for o, i in ASCEND])
@@ -53,6 +52,11 @@ FRONT_END = [
     ("aclnn", _platform.A2, "router_groups_max", "bfloat16"),
     ("aclnn", _platform.A3, "router_backward", "float16"),
     ("aclnn", _platform.ASCEND_950, "swiglu_backward", "bfloat16"),
+    ("aclnn", _platform.ASCEND_950, "router_groups_max", "float32"),
+    ("aclnn", _platform.A2, "moe_ffn", "float16"),
+    ("aclnn", _platform.A2, "moe_ffn", "bfloat16"),
+    ("aclnn", _platform.A2, "moe_ffn_int8", "int8"),
+    ("aclnn", _platform.A2, "moe_ffn_padded", "bfloat16"),
     ("builtin", _platform.A2, "moe_ffn", "float16"),
     ("builtin", _platform.A2, "moe_ffn_int8", "int8"),
     ("builtin", _platform.A2, "grouped_matmul", "bfloat16"),
@@ -67,17 +71,24 @@ FRONT_END = [
 ]
 
 
+# what the CPU backend calls the primitive of each built-in implementation
+BUILTIN_PRIMITIVES = {"grouped_matmul": ("GroupedMatmulV4",), "moe_ffn": ("FFNExt",),
+                      "moe_token_permute": ("MoeTokenPermute",),
+                      "moe_token_unpermute": ("InnerMoeTokenUnpermute",)}
+
+
 def _on_ascend(monkeypatch, impl_name, soc):
-    monkeypatch.setattr(_platform, "device_target", lambda: "Ascend")
-    monkeypatch.setattr(_platform, "soc_family", lambda target=None: soc)
+    as_on(monkeypatch, soc)
     monkeypatch.setenv(_platform.IMPL_ENV, impl_name)
 
 
-def _backend_refuses(fn):
+def _backend_refuses(fn, expected=ASCEND_ONLY):
+    """fn fails, and it is the CPU backend refusing one of the `expected` Ascend kernels (the
+    front end accepted everything before it)."""
     with pytest.raises(Exception) as info:  # noqa: PT011 (the message decides)
         fn()
-    message = str(info.value)
-    assert any(words in message for words in BACKEND_REFUSALS), message.splitlines()[:6]
+    refused = backend_refusal(info.value)
+    assert refused in expected, (refused, str(info.value).splitlines()[:8])
 
 
 @pytest.mark.parametrize("impl_name,soc,case,dtype", FRONT_END)
@@ -93,7 +104,9 @@ def test_front_end_accepts(monkeypatch, impl_name, soc, case, dtype):
     def fn(*xs):
         return op(*xs, **attrs)
 
-    _backend_refuses(lambda: run(fn, *args, mode="graph"))
+    impl = op.impl(impl_name)
+    expected = (impl.binding.kernel,) if impl.binding else BUILTIN_PRIMITIVES[op.name]
+    _backend_refuses(lambda: run(fn, *args, mode="graph"), expected)
     signature = tuple(None if a is None else (a.dtype, tuple(a.shape)) for a in args)
     platform = ("Ascend", soc, "graph", impl_name)
     assert _op.choose(op, tuple(op.resolve(**attrs).items()), platform, signature).name == \
@@ -117,8 +130,7 @@ def test_front_end_accepts_the_builtin_backward(monkeypatch, case, wrt):
 
 def test_int8_ffn_without_a_fitting_builtin_names_platform_and_alternative(monkeypatch):
     op, inputs, attrs = _int8_ffn_inputs(np.random.default_rng(3), "bfloat16")
-    monkeypatch.setattr(_platform, "device_target", lambda: "Ascend")
-    monkeypatch.setattr(_platform, "soc_family", lambda target=None: _platform.A2)
+    as_on(monkeypatch, _platform.A2)
     with pytest.raises(NotImplementedError, match=r"Ascend A2.*output_dtype='float16'.*CPU kernel"):
         op(*[tensor(a) for a in inputs], **attrs)
 
@@ -133,3 +145,35 @@ def test_padded_rows_join_the_last_group_and_are_masked(group_list, cumulative, 
     every_row, covered = run(fn, tensor(np.array(group_list, np.int64)), mode=mode)
     assert numpy(every_row).tolist() == extended
     assert numpy(covered).ravel().tolist() == [True] * rows + [False] * (10 - rows)
+
+
+# -- PyNative mode: every Ascend choice called, as far as the CPU allows ------------------------------
+
+# MindSpore's PyNative refusals of a built-in primitive that has no CPU kernel (after its own
+# argument handling accepted the call)
+PYNATIVE_REFUSALS = ("Not found op", "unregistered", "Not implement exception")
+
+
+@pytest.mark.parametrize("soc", [_platform.A2, _platform.A3, _platform.ASCEND_950])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pynative_choices_run_or_only_miss_their_cpu_kernel(monkeypatch, soc, case):
+    # what runs on the device in PyNative mode: a composition gives the golden results here; a
+    # built-in gets through MindSpore's argument handling and stops only at the missing kernel
+    from test_compositions import _compare
+
+    op, inputs, attrs, golden = CASES[case](np.random.default_rng(4), "float32")
+    as_on(monkeypatch, soc)
+    args = [_t(a, "float32") for a in inputs]
+    signature = tuple(None if a is None else (a.dtype, tuple(a.shape)) for a in args)
+    chosen = _op.choose(op, tuple(op.resolve(**attrs).items()), ("Ascend", soc, "pynative", None),
+                        signature)
+    assert chosen.name in ("builtin", "composition"), chosen.name
+    try:
+        out = op(*args, **attrs)
+        out = out if isinstance(out, tuple) else (out,)
+        numpy(out[0])  # PyNative may raise at the first read
+    except RuntimeError as error:  # a built-in (or one a composition calls) without CPU kernel
+        assert any(words in str(error) for words in PYNATIVE_REFUSALS), str(error)[:500]
+        return
+    assert chosen.name == "composition", "a built-in ran on CPU"
+    _compare(out, golden, "float32")

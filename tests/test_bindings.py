@@ -11,9 +11,9 @@ import pytest
 from mindspore.ops.operations._custom_ops_utils import CustomCodeGenerator
 
 from ms_moe_ops.ops import OPERATORS, _impls
-from ms_moe_ops.ops._op import ACLNN_SCALARS, AclnnBinding, Attr, OpDef
+from ms_moe_ops.ops._op import ABSENT, ACLNN_SCALARS, AclnnBinding, Attr, OpDef
 from ms_moe_ops.ops.ffn import MOE_FFN
-from ms_moe_ops.ops.swiglu import SWIGLU_GROUP_QUANT_GRAD
+from ms_moe_ops.ops.swiglu import ACLNN_CLAMP_OFF, SWIGLU_GROUP_QUANT_GRAD
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "aclnn_prototypes.json")
 PROTOTYPES = json.load(open(_DATA, encoding="utf-8"))["prototypes"]
@@ -42,17 +42,14 @@ def problems(op, args, entry):
     if [a for a, _ in args] != [p for p, _, _ in params]:
         found.append(f"argument order {[a for a, _ in args]} != {[p for p, _, _ in params]}")
     for (arg, kind), (_, ctype, optional) in zip(args, params):
-        if kind == "tensor":
+        if kind in ("tensor", ABSENT):
             if ctype == "aclIntArray*":
                 found.append(f"'{arg}': the kernel takes a host aclIntArray, the binding passes a "
                              f"device tensor")
             elif ctype != "aclTensor*":
                 found.append(f"'{arg}': the kernel takes {ctype}, the binding passes a tensor")
-            elif optional != (arg in op.optional):
-                found.append(f"'{arg}': optional in the prototype: {optional}, in the op: "
-                             f"{arg in op.optional}")
-        elif ctype == "char*":
-            found.append(f"'{arg}': a char* cannot cross a Custom aclnn registration")
+            elif not optional and (kind == ABSENT or arg in op.optional):
+                found.append(f"'{arg}': required by the kernel, the binding may pass None")
         elif ACLNN_SCALARS.get(kind) != ctype:
             found.append(f"'{arg}': registered as {kind} ({ACLNN_SCALARS.get(kind)}), the kernel "
                          f"takes {ctype}")
@@ -90,7 +87,8 @@ def test_registration_is_what_mindspore_generates_from_the_header(kernel):
 
 
 def test_checks_find_the_known_mismatches():
-    # the document's own SwiGLU prototype (aclIntArray groupIndex) and aclnnMoeFFN cannot be bound
+    # the document's own SwiGLU prototype (aclIntArray groupIndex) and aclnnMoeFFN (a host
+    # aclIntArray of expert tokens) cannot be bound to device tensors
     swiglu_doc = next(p for p in PROTOTYPES if p["kernel"] == "aclnnSwigluGroupQuantGrad"
                       and not p["bound"])
     found = problems(SWIGLU_GROUP_QUANT_GRAD, SWIGLU_GROUP_QUANT_GRAD.impl("aclnn").binding.args,
@@ -100,8 +98,14 @@ def test_checks_find_the_known_mismatches():
     moe_ffn_doc = next(p for p in PROTOTYPES if p["kernel"] == "aclnnMoeFFN")
     naive = tuple((name, "tensor") for name in MOE_FFN.inputs) + (("activation", "str"),)
     found = problems(MOE_FFN, naive, moe_ffn_doc)
-    assert any("'expert_tokens'" in f and "aclIntArray" in f for f in found)
-    assert any("'activation'" in f and "char*" in f for f in found)
+    assert "'expert_tokens': the kernel takes a host aclIntArray, the binding passes a device " \
+        "tensor" in found
+    assert not [f for f in found if "activation" in f]  # the char* activation crosses
+    # a tensor the kernel requires, passed as possibly None
+    v3 = MOE_FFN.impl("aclnn").binding.args
+    optional_x = tuple((a, ABSENT if a == "weight1" else k) for a, k in v3)
+    assert problems(MOE_FFN, optional_x, BOUND["aclnnFFNV3"]) == [
+        "'weight1': required by the kernel, the binding may pass None"]
     # a double registered as float is found too
     op, impl = next((op, impl) for op, impl in ACLNN if impl.binding.kernel ==
                     "aclnnMoeGatingTopKBackward")
@@ -111,21 +115,23 @@ def test_checks_find_the_known_mismatches():
         "'eps': registered as float (float), the kernel takes double"]
 
 
-def test_no_aclnn_binding_for_moe_ffn():
-    assert MOE_FFN.impl("aclnn") is None
+def test_moe_ffn_binds_ffn_v3_not_the_seeds_moe_ffn():
+    assert MOE_FFN.impl("aclnn").binding.kernel == "aclnnFFNV3"
 
 
-def test_a_string_cannot_be_registered():
-    impl = _impls.aclnn("aclnnX", "x, mode:str", socs=("A2",), dtypes=[("float32", "float32")])
-    with pytest.raises(TypeError, match="'mode' has type 'str'"):
+def test_a_list_cannot_be_registered():
+    # an aclIntArray could only be a constant of the graph (docs/ascend.md)
+    impl = _impls.aclnn("aclnnX", "x, sizes:listInt", socs=("A2",),
+                        dtypes=[("float32", "float32")])
+    with pytest.raises(TypeError, match="'sizes' has type 'listInt'"):
         OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
-              impls=(impl,), attrs=(Attr("mode", str, "a"),))
+              impls=(impl,), attrs=(Attr("sizes", str, "a"),))
 
 
 def test_every_scalar_type_is_one_mindspore_can_pass():
     for _, impl in ACLNN:
         for _, kind in impl.binding.args:
-            assert kind == "tensor" or kind in ACLNN_SCALARS
+            assert kind in ("tensor", ABSENT) or kind in ACLNN_SCALARS
 
 
 class _Recorder:
@@ -141,9 +147,11 @@ class _Recorder:
         return args
 
 
-@pytest.mark.parametrize("clamp,sent", [(0.0, -1.0), (-3.0, -1.0), (2.5, 2.5)])
-def test_clamp_off_reaches_the_aclnn_kernel_as_minus_one(monkeypatch, clamp, sent):
-    # aclnnSwigluGroupQuantGrad reads -1 as "off" and rejects 0; the CPU kernel keeps the value
+@pytest.mark.parametrize("clamp,sent", [(0.0, ACLNN_CLAMP_OFF), (-3.0, ACLNN_CLAMP_OFF),
+                                        (2.5, 2.5)])
+def test_clamp_off_reaches_the_aclnn_kernel_as_the_largest_float(monkeypatch, clamp, sent):
+    # aclnnSwigluGroupQuantGrad's versions read 0 or -1 as "off" (and reject or misread the
+    # other): a limit no finite input reaches is the same to both; the CPU kernel keeps the value
     monkeypatch.setattr(_impls.ops, "Custom", _Recorder)
     monkeypatch.setattr(_Recorder, "made", [])
     op = SWIGLU_GROUP_QUANT_GRAD
@@ -165,6 +173,33 @@ def test_sigmoid_router_tells_the_kernel_renorm_0(monkeypatch):
     assert call(("x", None)) == ("x", None, 2, 1, 1, 0, 0, 1, True, 1.0, 1e-6)
 
 
+def test_router_always_asks_the_kernel_for_x_norm(monkeypatch):
+    # with out_flag false aclnnMoeGatingTopK leaves x_norm unwritten, and the bprop reads it
+    monkeypatch.setattr(_impls.ops, "Custom", _Recorder)
+    op = next(op for op, impl in ACLNN if impl.binding.kernel == "aclnnMoeGatingTopK")
+    call = op.impl("aclnn").build(op, op.resolve(k=2, out_flag=False))
+    assert call(("x", None))[8] is True
+
+
+def test_ffn_v3_gets_the_tensors_in_its_order(monkeypatch):
+    # the kernel's order (x, weight1, weight2, expert_tokens, ...), None for the antiquant
+    # tensors, then the activation as a string, innerPrecise 0 and tokensIndexFlag
+    monkeypatch.setattr(_impls.ops, "Custom", _Recorder)
+    monkeypatch.setattr(_Recorder, "made", [])
+    call = MOE_FFN.impl("aclnn").build(MOE_FFN, MOE_FFN.resolve(activation="gelu",
+                                                                tokens_index_flag=True))
+    names = ("x", "tokens", "w1", "b1", "w2", "b2", "scale", "offset", "dq1", "dq2")
+
+    class Named(str):
+        dtype = None
+
+    got = call(tuple(Named(n) for n in names))
+    assert list(got) == ["x", "w1", "w2", "tokens", "b1", "b2", "scale", "offset", "dq1", "dq2",
+                         None, None, None, None, "gelu", 0, True]
+    info = _Recorder.made[-1].reg_info
+    assert [i["name"] for i in info["inputs"]][:4] == ["x", "weight1", "weight2", "expert_tokens"]
+
+
 def test_dtype_rows_cover_absent_optional_inputs():
     op = SWIGLU_GROUP_QUANT_GRAD
     rows = _impls.dtype_rows(op, op.impl("aclnn").binding.dtypes)
@@ -175,9 +210,17 @@ def test_dtype_rows_cover_absent_optional_inputs():
 def test_binding_declaration_is_checked():
     bad = AclnnBinding("aclnnX", (("k", "int"), ("x", "tensor")), (("float32", "float32"),))
     impl = _impls.aclnn("aclnnX", "x", socs=("A2",), dtypes=[("float32", "float32")])
-    with pytest.raises(ValueError, match="inputs"):
+    with pytest.raises(ValueError, match="tensors before its scalars"):
         OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
               impls=(dataclasses.replace(impl, binding=bad),), attrs=(Attr("k", int, 1),))
+    missing = AclnnBinding("aclnnX", (("y", "tensor"),), (("float32", "float32"),))
+    with pytest.raises(ValueError, match="once each"):
+        OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
+              impls=(dataclasses.replace(impl, binding=missing),))
+    unknown = AclnnBinding("aclnnX", (("x", "tensor"), ("k", "int")), (("float32", "float32"),))
+    with pytest.raises(ValueError, match="not an attribute"):
+        OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
+              impls=(dataclasses.replace(impl, binding=unknown),))
     short = dataclasses.replace(impl, binding=impl.binding._replace(dtypes=(("float32",),)))
     with pytest.raises(ValueError, match="dtype"):
         OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,

@@ -67,7 +67,8 @@ def test_is_constant_tells_static_from_dynamic_dimensions():
     assert seen == [(False, True)], f"isconstant of (dynamic, static) dims gave {seen}"
 
 
-@pytest.mark.parametrize("name", ["gmm_v2_op", "gmm_v2_backward_op", "FFNExt", "tensor_to_tuple"])
+@pytest.mark.parametrize("name", ["gmm_v2_op", "gmm_v2_backward_op", "FFNExt", "tensor_to_tuple",
+                                  "transpose_ext_view"])
 def test_generated_primitives_exist(name):
     assert callable(_compat.auto_generate(name)), f"mindspore.ops.auto_generate.{name} is gone"
 
@@ -83,3 +84,66 @@ def test_mixed_precision_switch_and_rewrite_list_exist():
     assert MoELayer in namespace._subtree_black_list
     cell = nn.Cell()
     cell.mixed_precision_type = _compat.NO_AUTOMATIC_CASTS  # accepted by Cell
+
+
+def test_mindspore_warnings_reach_its_logger():
+    import logging
+
+    from mindspore.common._decorator import deprecated
+
+    logger = _compat.mindspore_logger()
+    assert isinstance(logger, logging.Logger)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        deprecated("2.9.0", "new_api", False, "ops.")(lambda: None)()
+    finally:
+        logger.removeHandler(handler)
+    assert any("is deprecated" in m for m in seen), (
+        f"MindSpore's deprecation notices no longer reach mindspore_logger(): {seen}")
+
+
+def test_a_custom_primitive_cannot_take_run_time_host_integers():
+    # Why aclnnMoeFFN is not bound (docs/ascend.md): its expert counts are a host aclIntArray,
+    # and a Custom primitive declares no input whose value is read on the host at run time, so
+    # counts computed in the graph (TensorToTuple) fail in a backend pass, where a constant tuple
+    # gets through to kernel selection. The day MindSpore takes the run-time tuple, this fails:
+    # then aclnnMoeFFN can be bound.
+    from mindspore.ops import CustomRegOp, DataType
+
+    reg = (CustomRegOp("aclnnMsMoeOpsCanary").input(0, "x", "required")
+           .attr("counts", "required", "listInt").attr("activation", "required", "str")
+           .output(0, "y", "required")
+           .dtype_format(DataType.F16_Default, DataType.F16_Default).target("Ascend")
+           .get_op_info())
+    prim = ops.Custom("aclnnMsMoeOpsCanary", lambda *s: s[0], lambda *d: d[0], func_type="aot",
+                      reg_info=reg)
+    to_tuple = _compat.auto_generate("tensor_to_tuple")
+
+    class RunTime(nn.Cell):
+        def construct(self, x, counts):
+            return prim(x, to_tuple(counts), "fastgelu")
+
+    class Constant(nn.Cell):
+        def construct(self, x, counts):
+            return prim(x, (1, 3), "fastgelu")
+
+    x = Tensor(np.ones((4, 8), np.float16))
+    counts = Tensor(np.array([1, 3], np.int64))
+    messages = {}
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        for name, cell in (("run_time", RunTime()), ("constant", Constant())):
+            try:
+                cell(x, counts)
+                messages[name] = "ran"
+            except (RuntimeError, TypeError, ValueError) as error:
+                messages[name] = str(error)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert "user defined function path" in messages["constant"], messages["constant"][:500]
+    assert "Tuple to TupleUnfold" in messages["run_time"], (
+        "a Custom primitive may now take run-time host integers: aclnnMoeFFN can be bound "
+        f"(what MindSpore said: {messages['run_time'][:500]})")

@@ -18,7 +18,17 @@ from ms_moe_ops.ops.gating import GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_B
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
 from ms_moe_ops.ops.permute import PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD
+from ascend_sim import with_cann
 from conftest import tensor
+
+
+@pytest.fixture(autouse=True)
+def _cann_has_every_kernel(monkeypatch):
+    """The Ascend choices below are those of a CANN that has every kernel the package binds
+    (test_a_kernel_the_installed_cann_lacks_is_passed_over says what happens otherwise)."""
+    with_cann(monkeypatch)
+    yield
+    _op.choose.cache_clear()
 
 A2, A3, S950 = _platform.A2, _platform.A3, _platform.ASCEND_950
 A2_GRAPH, A2_PYNATIVE = ("Ascend", A2, "graph", None), ("Ascend", A2, "pynative", None)
@@ -66,7 +76,11 @@ SELECTION = [
      "sigmoid: renorm is sent as 0, which the kernel supports"),
     (GATING_TOP_K, A2_PYNATIVE, ROUTER, dict(k=8), "composition",
      "PyNative's custom path takes tensors only: no aclnn"),
-    (GATING_TOP_K, GRAPH_950, ROUTER, dict(k=8), "composition", "no aclnnMoeGatingTopK on 950"),
+    (GATING_TOP_K, GRAPH_950, ROUTER, dict(k=8), "aclnn",
+     "CANN documents aclnnMoeGatingTopK on 950 too"),
+    (GATING_TOP_K, A2_GRAPH, sig(("float32", (4, 2048)), None), dict(k=8, group_count=128,
+                                                                     k_group=128),
+     "aclnn", "every group kept: the kernel does not select groups, nothing to align"),
     (GATING_TOP_K, A2_GRAPH, sig(("float32", (4, 2048)), None), dict(k=8, group_count=128),
      "composition", "16 experts per group align to 32: 32 x 128 groups > 2048"),
     (GATING_TOP_K, A2_GRAPH, sig(("float32", (4, 1920)), None), dict(k=8, group_count=64),
@@ -79,7 +93,8 @@ SELECTION = [
      "SoC not known yet: nothing SoC-specific"),
     (GATING_BACKWARD, A2_GRAPH, ROUTER_BWD, {}, "aclnn", "aclnnMoeGatingTopKBackward on A2"),
     (GATING_BACKWARD, A2_PYNATIVE, ROUTER_BWD, {}, "composition", "PyNative: no aclnn"),
-    (GATING_BACKWARD, GRAPH_950, ROUTER_BWD, {}, "composition", "no kernel on 950"),
+    (GATING_BACKWARD, GRAPH_950, ROUTER_BWD, {}, "aclnn",
+     "CANN documents aclnnMoeGatingTopKBackward on 950 too"),
     (GATING_SOFTMAX_BACKWARD, A2_GRAPH, ROUTER_BWD, {}, "composition", "Ascend has no kernel"),
     (GATING_GRAD, A2_GRAPH, ROUTER_BWD + (None,), {}, "composition",
      "composed of the router backwards (aclnn where they have it)"),
@@ -90,15 +105,21 @@ SELECTION = [
      "aclnnSwigluGroupQuantGrad exists on 950 only"),
     (SWIGLU_GROUP_QUANT_GRAD, PYNATIVE_950, SWIGLU_BWD, {}, "composition", "PyNative: no aclnn"),
     (SWIGLU_GROUP_QUANT_GRAD, A2_GRAPH, SWIGLU_BWD, {}, "composition", "not on A2/A3"),
-    (MOE_FFN, A2_GRAPH, ffn_sig("float16"), {}, "builtin", "float16: MindSpore's FFN (aclnnFFN)"),
-    (MOE_FFN, A2_PYNATIVE, ffn_sig("float16"), {}, "builtin", "built-ins run in PyNative too"),
-    (MOE_FFN, A2_GRAPH, ffn_sig("bfloat16"), {}, "composition", "bfloat16 trains composed"),
-    (MOE_FFN, A3_GRAPH, ffn_sig("float32"), dict(activation="gelu"), "composition",
+    (MOE_FFN, A2_GRAPH, ffn_sig("float16"), {}, "aclnn", "float16: aclnnFFNV3"),
+    (MOE_FFN, A2_GRAPH, ffn_sig("bfloat16"), dict(tokens_index_flag=True, padded=True), "aclnn",
+     "bfloat16, cumulative and padded: aclnnFFNV3"),
+    (MOE_FFN, A2_PYNATIVE, ffn_sig("float16"), {}, "builtin",
+     "PyNative: MindSpore's FFN (aclnnFFN), a built-in"),
+    (MOE_FFN, A2_PYNATIVE, ffn_sig("bfloat16"), {}, "composition",
+     "bfloat16 in PyNative trains composed"),
+    (MOE_FFN, A3_GRAPH, ffn_sig("float16"), {}, "composition", "aclnnFFN(V3): Atlas A2 only"),
+    (MOE_FFN, A2_GRAPH, ffn_sig("float32"), dict(activation="gelu"), "composition",
      "float32 trains composed"),
     (MOE_FFN, A2_GRAPH, ffn_sig("float16", h=65536), {}, "composition",
-     "aclnnFFN needs H < 65536"),
-    (MOE_FFN, GRAPH_950, ffn_sig("float16"), {}, "composition", "no aclnnFFN on 950"),
-    (MOE_FFN, A2_GRAPH, ffn_sig("int8"), {}, "builtin", "int8 with float16 output: aclnnFFN"),
+     "aclnnFFN(V3) needs H < 65536"),
+    (MOE_FFN, GRAPH_950, ffn_sig("float16"), {}, "composition", "no FFN kernel on 950"),
+    (MOE_FFN, A2_GRAPH, ffn_sig("int8"), {}, "aclnn", "int8 with float16 output: aclnnFFNV3"),
+    (MOE_FFN, A2_PYNATIVE, ffn_sig("int8"), {}, "builtin", "int8 in PyNative: aclnnFFN"),
     (MOE_FFN, CPU_GRAPH, ffn_sig("int8"), dict(output_dtype="bfloat16"), "kernel",
      "the CPU kernel has every output dtype"),
     (GROUPED_MATMUL, A2_GRAPH, GMM, {}, "builtin", "MindSpore's grouped matmul"),
@@ -109,7 +130,8 @@ SELECTION = [
     (PERMUTE, A2_PYNATIVE, PERMUTE_K8, dict(num_experts=64), "builtin", "top-k 8 <= 512"),
     (PERMUTE, A2_GRAPH, sig(("bfloat16", (4, 64)), ("int32", (4, 600))), dict(num_experts=1024),
      "composition", "top-k 600 > 512"),
-    (PERMUTE, GRAPH_950, PERMUTE_K8, dict(num_experts=64), "composition", "not documented on 950"),
+    (PERMUTE, GRAPH_950, PERMUTE_K8, dict(num_experts=64), "builtin",
+     "CANN documents aclnnMoeTokenPermute on 950"),
     (UNPERMUTE, A3_GRAPH, UNPERMUTE_K8, dict(with_probs=True), "builtin", "top-k 8 <= 512"),
     (UNPERMUTE, A2_GRAPH, sig(("bfloat16", (1200, 64)), ("int32", (1200,)), None),
      dict(top_k=600), "composition", "top-k 600 > 512"),
@@ -122,6 +144,17 @@ SELECTION = [
                          ids=[f"{s[0].name}-{'-'.join(s[1][:3])}-{s[4]}" for s in SELECTION])
 def test_selection(op, platform, signature, attrs, expected, why):
     assert choice(op, platform, signature, **attrs) == expected, why
+
+
+def test_a_kernel_the_installed_cann_lacks_is_passed_over(monkeypatch, caplog):
+    with_cann(monkeypatch, missing=("aclnnMoeGatingTopKBackward",))
+    with caplog.at_level(logging.INFO, logger="ms_moe_ops"):
+        assert choice(GATING_BACKWARD, A2_GRAPH, ROUTER_BWD) == "composition"
+    assert ("moe_gating_top_k_backward: composition on Ascend A2, graph mode; passed over: aclnn "
+            "(the installed CANN does not have aclnnMoeGatingTopKBackward)") in caplog.text
+    with pytest.raises(ValueError, match="MS_MOE_OPS_IMPL=aclnn .*does not have "
+                                         "aclnnMoeGatingTopKBackward"):
+        choice(GATING_BACKWARD, forced(A2_GRAPH, "aclnn"), ROUTER_BWD)
 
 
 def test_int8_without_a_fitting_builtin_is_not_implemented():
@@ -187,6 +220,64 @@ def test_override_is_read_on_every_call(monkeypatch, caplog):
     np.testing.assert_array_equal(kernel_out[1].asnumpy(), composed_out[1].asnumpy())
 
 
+# -- what runs -------------------------------------------------------------------------------------
+
+def _router_call():
+    x = Tensor(np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32))
+    return lambda **attrs: GATING_TOP_K(x, None, k=2, **attrs)
+
+
+@pytest.mark.parametrize("forced", ["kernel", "composition"])
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_the_forced_implementation_is_the_one_that_runs(monkeypatch, forced, mode):
+    from conftest import run
+    from ms_moe_ops.ops import record_choices
+
+    x = Tensor(np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32))
+
+    def route(v):
+        return GATING_TOP_K(v, None, k=2, eps=1e-9)[0]
+
+    monkeypatch.setenv(_platform.IMPL_ENV, forced)
+    with record_choices() as ran:
+        run(route, x, mode=mode)
+    assert ran == [("moe_gating_top_k", forced)]
+
+
+def test_the_built_callable_is_the_chosen_implementations():
+    # the same attributes built for two implementations: each call runs its own
+    from ms_moe_ops.ops import record_choices
+
+    call = _router_call()
+    with record_choices() as ran:
+        for forced in ("composition", "kernel", "composition"):
+            os.environ[_platform.IMPL_ENV] = forced
+            try:
+                call(eps=1e-7)
+            finally:
+                del os.environ[_platform.IMPL_ENV]
+    assert ran == [("moe_gating_top_k", n) for n in ("composition", "kernel", "composition")]
+
+
+@pytest.mark.parametrize("spelling", ["Composition", " COMPOSITION ", "composition"])
+def test_the_override_is_read_in_any_letter_case(monkeypatch, spelling):
+    from ms_moe_ops.ops import record_choices
+
+    monkeypatch.setenv(_platform.IMPL_ENV, spelling)
+    with record_choices() as ran:
+        _router_call()(eps=1e-8)
+    assert ran == [("moe_gating_top_k", "composition")]
+
+
+def test_attribute_cache_keeps_an_int_and_a_float_apart():
+    call = _router_call()
+    call(group_count=1)
+    with pytest.raises(TypeError, match="attribute 'group_count' must be int"):
+        call(group_count=1.0)
+    with pytest.raises(TypeError, match="attribute 'out_flag' must be bool"):
+        call(out_flag=1)
+
+
 # -- the log and the cache ------------------------------------------------------------------------
 
 def test_a_fallback_is_logged_with_its_reasons(caplog):
@@ -203,7 +294,7 @@ def test_the_preferred_choice_is_logged_at_debug(caplog):
     assert not [r for r in caplog.records if r.levelno > logging.DEBUG]
 
 
-@pytest.mark.parametrize("field,other", [(0, "CPU"), (1, S950), (2, "pynative"),
+@pytest.mark.parametrize("field,other", [(0, "CPU"), (1, "ascend310p"), (2, "pynative"),
                                          (3, "composition")])
 def test_cache_key_holds_target_soc_mode_and_override(field, other):
     key = list(A2_GRAPH)
@@ -280,41 +371,28 @@ def test_dynamic_shapes_resolve_once_while_compiling(monkeypatch):
     assert seen == [((-1, 3), (-1, 2))]
 
 
-# -- the README table --------------------------------------------------------------------------------
+# -- the implementation table of docs/ascend.md ----------------------------------------------------
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-_WORDS = {"aclnn": "**aclnn**", "builtin": "**built-in**", "composition": "**composition**"}
-_COLUMNS = {A2_GRAPH: 1, A2_PYNATIVE: 2, GRAPH_950: 3, PYNATIVE_950: 3}
-_ROWS = {GATING_TOP_K: "moe_gating_top_k", GATING_BACKWARD: "moe_gating_top_k_backward",
-         GATING_SOFTMAX_BACKWARD: "softmax router backward",
-         GATING_GRAD: "router backward with x_norm's gradient", SWIGLU_GROUP: "swiglu_group",
-         SWIGLU_GROUP_QUANT_GRAD: "swiglu_group_quant_grad", MOE_FFN: "moe_ffn",
-         GROUPED_MATMUL: "grouped_matmul", PERMUTE: "moe_token_permute",
-         UNPERMUTE: "moe_token_unpermute", UNPERMUTE_BACKWARD: "moe_token_unpermute backward",
-         FFN_ACTIVATION_GRAD: "moe_ffn activation backward"}
+def test_docs_table_is_generated_from_the_declarations():
+    import importlib.util
 
-
-def _readme_table():
-    text = open(README, encoding="utf-8").read()
-    table = text[text.index("| operator | Atlas A2/A3, GRAPH |"):]
-    rows = {}
-    for line in table.splitlines()[2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0].strip("`")] = cells
-    return rows
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                        "implementation_table.py")
+    spec = importlib.util.spec_from_file_location("implementation_table", tool)
+    implementation_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(implementation_table)
+    with open(implementation_table.DOC, encoding="utf-8") as f:
+        text = f.read()
+    assert implementation_table.with_table(text) == text, (
+        "docs/ascend.md's implementation table is stale: run python tools/implementation_table.py "
+        "--write")
 
 
-def test_readme_table_names_the_resolvers_choices():
-    rows = _readme_table()
-    assert set(_ROWS) == set(OPERATORS) and set(rows) == set(_ROWS.values())
-    for op, platform, signature, attrs, expected, why in SELECTION:
-        if op not in _ROWS or platform not in _COLUMNS:
-            continue
-        cell = rows[_ROWS[op]][_COLUMNS[platform]]
-        assert _WORDS[expected] in cell, (op.name, platform, expected, cell)
-    for op, row in _ROWS.items():  # and every cell names something the operator has
-        for cell in rows[row][1:4]:
-            named = [name for name, word in _WORDS.items() if word in cell]
-            assert named and all(op.impl(name) is not None for name in named), (row, cell)
+@pytest.mark.parametrize("op,platform,signature,attrs,expected,why", SELECTION,
+                         ids=[f"{s[0].name}-{'-'.join(s[1][:3])}-{s[4]}" for s in SELECTION])
+def test_every_choice_is_a_candidate_of_the_table(op, platform, signature, attrs, expected, why):
+    # what the resolver chooses is one of the implementations the table lists for the platform
+    from ms_moe_ops.ops._table import candidates
+
+    names = [impl.name for impl in candidates(op, *platform[:3])]
+    assert expected in names, (op.name, platform, names)

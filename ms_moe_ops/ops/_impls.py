@@ -13,11 +13,11 @@ import os
 from mindspore import ops
 from mindspore.ops import DataType
 
-from . import _platform
+from . import _cann, _platform
 from ._checks import dtype_name, to_mstype
-from ._op import ACLNN, BUILTIN, COMPOSITION, KERNEL, AclnnBinding, Impl
+from ._op import ABSENT, ACLNN, BUILTIN, COMPOSITION, KERNEL, AclnnBinding, Impl
 
-_PY_KINDS = {"int": int, "bool": bool, "float": float, "double": float}
+_PY_KINDS = {"int": int, "bool": bool, "float": float, "double": float, "str": str}
 
 
 def kernel(symbol):
@@ -35,56 +35,69 @@ def kernel(symbol):
             prim.add_prim_attr(key, value)
         return _star(prim)
 
-    return Impl(KERNEL, build, target="CPU", grad="self", available=kernel_library_missing)
+    return Impl(KERNEL, build, target="CPU", grad="self", available=kernel_library_missing,
+                about=f"this package's C++ kernel {symbol}")
 
 
-def aclnn(name, args, socs, dtypes, supports=None, scalars=None, around=None):
-    """An aclnn kernel called through ops.Custom.
+def aclnn(name, args, socs, dtypes, supports=None, scalars=None, around=None, fixed=()):
+    """An aclnn kernel called through ops.Custom (GRAPH mode; only when the installed CANN has it).
 
     args: the prototype's call arguments in order, outputs excluded: "x, bias, k:int, ...,
-    eps:double". Unannotated names are the OpDef's tensor inputs (same order as its inputs);
-    `name:type` is one of its attributes passed as a scalar of that reg-info type
-    (ACLNN_SCALARS). dtypes: the dtype combinations the kernel is called with, one tuple of
-    names per combination, inputs then outputs (an absent optional input is added for each).
-    scalars(attrs) -> {name: value} adjusts values for this kernel alone. around(call, inputs)
-    -> outputs wraps the kernel call (e.g. dtype casts the kernel needs).
+    eps:double". Unannotated names are the OpDef's tensor inputs (each once, in the kernel's
+    order), `name?` an optional tensor argument this package leaves out (None), `name:type` a
+    scalar of that reg-info type (ACLNN_SCALARS): one of the OpDef's attributes, or a constant
+    of `fixed` ({name: value}). Tensors come before scalars (MindSpore passes a registration's
+    inputs before its attributes). dtypes: the dtype combinations the kernel is called with, one
+    tuple of names per combination, the OpDef's inputs in its order then outputs (an absent
+    optional input is added for each; None: always absent). scalars(attrs) -> {name: value}
+    adjusts values for this kernel alone. around(attrs) -> f(call, inputs) -> outputs wraps the
+    kernel call (e.g. dtype casts or masks the kernel needs).
     """
-    binding = AclnnBinding(name, parse_args(args), tuple(tuple(row) for row in dtypes))
+    binding = AclnnBinding(name, parse_args(args), tuple(tuple(row) for row in dtypes),
+                           tuple(dict(fixed).items()))
 
     def build(op, attrs):
-        values = dict(attrs, **(scalars(attrs) if scalars else {}))
-        prim = ops.Custom(name, *infer_fns(op, attrs), func_type="aot",
-                          bprop=op.bprop(attrs) if op.bprop else None,
-                          reg_info=aclnn_reg_info(op, binding))
+        values = dict(attrs, **dict(binding.fixed), **(scalars(attrs) if scalars else {}))
+        # No bprop on the primitive: MindSpore passes the registered attributes as inputs (after
+        # the tensors, in registration order) and would hand a primitive's bprop all of them. The
+        # resolver wraps the call in a Cell whose bprop is the OpDef's, on the tensor inputs.
+        prim = ops.Custom(name, *infer_fns(op, attrs, binding.tensors,
+                                           dtype_rows(op, binding.dtypes), name),
+                          func_type="aot", reg_info=aclnn_reg_info(op, binding))
         # the registered attributes carry no value: MindSpore passes them as inputs, after
         # the tensors, in registration order
-        trailing = tuple(_PY_KINDS[kind](values[arg]) for arg, kind in binding.args
-                         if kind != "tensor")
+        trailing = tuple(_PY_KINDS[kind](values[arg]) for arg, kind in binding.scalars)
+        order = [op.inputs.index(arg) if arg in op.inputs else None for arg in binding.tensors]
 
         def call(inputs):
-            return prim(*inputs, *trailing)
+            return prim(*[None if i is None else inputs[i] for i in order], *trailing)
 
         if around is None:
             return call
+        wrap = around(attrs)
 
         def wrapped(inputs):
-            return around(call, inputs)
+            return wrap(call, inputs)
 
         return wrapped
 
     return Impl(ACLNN, build, target="Ascend", socs=tuple(socs), modes=(_platform.GRAPH,),
-                supports=supports, grad="self", binding=binding)
+                supports=supports, binding=binding,
+                available=lambda: _cann.kernel_missing(name), about=name)
 
 
-def builtin(build, socs, supports=None, grad="op"):
-    """A MindSpore built-in primitive: build(attrs) -> f(*inputs)."""
+def builtin(build, socs, about, supports=None, grad="op"):
+    """A MindSpore built-in primitive: build(attrs) -> f(*inputs); about: the primitive (and the
+    aclnn kernel it calls)."""
     return Impl(BUILTIN, lambda op, attrs: _star(build(attrs)), target="Ascend", socs=tuple(socs),
-                supports=supports, grad=grad)
+                supports=supports, grad=grad, about=about)
 
 
-def composition(build, supports=None, grad="op"):
-    """MindSpore ops only, runnable on every device: build(attrs) -> f(*inputs)."""
-    return Impl(COMPOSITION, lambda op, attrs: _star(build(attrs)), supports=supports, grad=grad)
+def composition(build, supports=None, grad="op", warn=""):
+    """MindSpore ops only, runnable on every device: build(attrs) -> f(*inputs). warn: its cost,
+    logged at WARNING whenever the resolver chooses it by itself."""
+    return Impl(COMPOSITION, lambda op, attrs: _star(build(attrs)), supports=supports, grad=grad,
+                warn=warn, about="MindSpore ops")
 
 
 def kernel_reg_info(op):
@@ -108,10 +121,12 @@ def _star(fn):
 # -- aclnn bindings ---------------------------------------------------------------------------
 
 def parse_args(text):
-    """"x, k:int" -> (("x", "tensor"), ("k", "int"))."""
+    """"x, w?, k:int" -> (("x", "tensor"), ("w", ABSENT), ("k", "int"))."""
     out = []
     for item in text.split(","):
         arg, _, kind = item.strip().partition(":")
+        if arg.endswith("?"):
+            arg, kind = arg[:-1], ABSENT
         out.append((arg, kind or "tensor"))
     return tuple(out)
 
@@ -121,19 +136,23 @@ def aclnn_reg_info(op, binding):
     dtype_format row per dtype combination (MindSpore refuses a registration without them), with
     the variants where optional inputs are absent."""
     reg = ops.CustomRegOp(binding.kernel)
-    for i, arg in enumerate(op.inputs):
-        reg = reg.input(i, arg, "optional" if arg in op.optional else "required")
-    for arg, kind in binding.args[len(op.inputs):]:
+    for i, arg in enumerate(binding.tensors):
+        required = arg in op.inputs and arg not in op.optional
+        reg = reg.input(i, arg, "required" if required else "optional")
+    for arg, kind in binding.scalars:
         reg = reg.attr(arg, "required", kind)
     for j, arg in enumerate(op.outputs):
         reg = reg.output(j, arg, "required")
     for row in dtype_rows(op, binding.dtypes):
-        reg = reg.dtype_format(*[getattr(DataType, _DATA_TYPES[d]) for d in row])
+        by_name = dict(zip(op.inputs, row))
+        kernel_row = [by_name.get(arg) for arg in binding.tensors] + list(row[len(op.inputs):])
+        reg = reg.dtype_format(*[getattr(DataType, _DATA_TYPES[d]) for d in kernel_row])
     return reg.target("Ascend").get_op_info()
 
 
 _DATA_TYPES = {"float16": "F16_Default", "bfloat16": "BF16_Default", "float32": "F32_Default",
-               "int32": "I32_Default", "int64": "I64_Default", None: "None_None"}
+               "int8": "I8_Default", "int32": "I32_Default", "int64": "I64_Default",
+               "uint64": "U64_Default", None: "None_None"}
 
 
 def dtype_rows(op, dtypes):
@@ -142,7 +161,7 @@ def dtype_rows(op, dtypes):
     for row in dtypes:
         variants = [()]
         for arg, dtype in zip(op.inputs, row):
-            options = (dtype, None) if arg in op.optional else (dtype,)
+            options = (dtype, None) if arg in op.optional and dtype is not None else (dtype,)
             variants = [v + (o,) for v in variants for o in options]
         rows += [v + tuple(row[len(op.inputs):]) for v in variants]
     return rows
@@ -187,17 +206,22 @@ def _preload_blas():
 
 # -- inference for Custom primitives --------------------------------------------------------------
 
-def infer_fns(op, attrs):
-    """out_shape/out_dtype callables: pick the tensor inputs, run the declared inference."""
-    n = len(op.inputs)
+def infer_fns(op, attrs, order=None, rows=None, kernel=""):
+    """out_shape/out_dtype callables: pick the OpDef's inputs (passed in `order`, the names of a
+    kernel's tensor arguments, when given; scalars passed as inputs after them), run the declared
+    inference. With `rows` (a kernel's registered dtype combinations: the OpDef's inputs, then
+    outputs) the output dtypes are those of the row of the call's input dtypes: a kernel may be
+    called with other dtypes than the operator's (a float32 bias for a bfloat16 product)."""
+    order = tuple(order or op.inputs)
 
     def pick(args):
-        if len(args) < n:
-            raise TypeError(f"{op.name}: expected {n} inputs {op.inputs}, got {len(args)}")
-        for arg, value in zip(op.inputs, args):
-            if value is None and arg not in op.optional:
+        if len(args) < len(order):
+            raise TypeError(f"{op.name}: expected {len(order)} inputs {order}, got {len(args)}")
+        by_name = dict(zip(order, args))
+        for arg in op.inputs:
+            if by_name[arg] is None and arg not in op.optional:
                 raise ValueError(f"{op.name}: input '{arg}' is required, got None")
-        return list(args[:n])
+        return [by_name[arg] for arg in op.inputs]
 
     def out_shape(*shapes):
         res = op.infer(attrs, *pick(shapes))
@@ -205,7 +229,13 @@ def infer_fns(op, attrs):
 
     def out_dtype(*dtypes):
         names = [None if d is None else dtype_name(d) for d in pick(dtypes)]
-        res = op.infer_dtype(attrs, *names)
+        if rows is None:
+            res = op.infer_dtype(attrs, *names)
+        else:
+            res = next((row[len(names):] for row in rows if list(row[:len(names)]) == names), None)
+            if res is None:
+                raise TypeError(f"{op.name}: {kernel} is not registered for the input dtypes "
+                                f"{dict(zip(op.inputs, names))}")
         return to_mstype(res[0]) if len(op.outputs) == 1 else tuple(to_mstype(d) for d in res)
 
     return out_shape, out_dtype

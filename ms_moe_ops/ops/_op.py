@@ -18,6 +18,7 @@ Resolution rules (`choose`):
 - If none fits: NotImplementedError naming the platform and every implementation's reason.
 Choices are cached per (operator, attributes, target, SoC, mode, override, input dtypes/shapes).
 """
+import contextlib
 import functools
 import logging
 import numbers
@@ -38,9 +39,15 @@ _log = logging.getLogger("ms_moe_ops")
 KERNEL, ACLNN, BUILTIN, COMPOSITION = "kernel", "aclnn", "builtin", "composition"
 IMPL_NAMES = (KERNEL, ACLNN, BUILTIN, COMPOSITION)
 MODES = (_platform.GRAPH, _platform.PYNATIVE)
-# C types a scalar can have when it crosses a Custom aclnn registration, by reg-info type. There
-# is no string: MindSpore's aclnn path cannot pass a char*.
-ACLNN_SCALARS = {"int": "int64_t", "bool": "bool", "float": "float", "double": "double"}
+# C types a scalar can have when it crosses a Custom aclnn registration, by reg-info type
+# (MindSpore 2.10 mindspore/ops/operations/_custom_ops_utils.py, _get_type_declaration; its C++
+# side keeps a string alive for the call, so a char* crosses too). A list of ints (aclIntArray)
+# could only be a constant of the graph: a Custom primitive declares no input whose value is
+# read on the host at run time.
+ACLNN_SCALARS = {"int": "int64_t", "bool": "bool", "float": "float", "double": "double",
+                 "str": "char*"}
+# a kernel's optional tensor argument this package never passes (always nullptr)
+ABSENT = "absent"
 
 
 @dataclass(frozen=True)
@@ -73,12 +80,24 @@ class Attr:
 
 
 class AclnnBinding(NamedTuple):
-    """How an aclnn kernel is called: its name, its call arguments in the prototype's order as
-    (name, "tensor" or a reg-info scalar type), and the dtype combinations it is called with
-    (inputs then outputs)."""
+    """How an aclnn kernel is called: its name; its call arguments in the prototype's order as
+    (name, kind), kind "tensor" (an input of the OpDef), ABSENT (an optional tensor argument
+    passed as None) or a reg-info scalar type (an attribute of the OpDef, or one of `fixed`);
+    the dtype combinations it is called with (the OpDef's inputs in its order, then outputs);
+    `fixed`: (name, value) of scalar arguments the OpDef has no attribute for."""
     kernel: str
     args: Tuple[Tuple[str, str], ...]
     dtypes: Tuple[Tuple[str, ...], ...]
+    fixed: Tuple[Tuple[str, object], ...] = ()
+
+    @property
+    def tensors(self):
+        """The tensor arguments (present and absent), in the kernel's order."""
+        return tuple(arg for arg, kind in self.args if kind in ("tensor", ABSENT))
+
+    @property
+    def scalars(self):
+        return tuple((arg, kind) for arg, kind in self.args if kind not in ("tensor", ABSENT))
 
 
 class TensorInfo(NamedTuple):
@@ -104,6 +123,10 @@ class Impl:
     available() -> '' when what the implementation calls is installed here (the CPU kernel
     library was built, the installed CANN has the aclnn kernel), else the reason it is not;
     asked only on the target, SoC and mode the implementation runs on.
+    warn: a cost worth knowing (e.g. "G times the flops"): logged at WARNING whenever the
+    resolver chooses this implementation by itself.
+    about: what it calls, in a few words (the implementation tables of docs/ and of
+    `python -m ms_moe_ops.info` show it).
     """
     name: str
     build: Callable
@@ -114,20 +137,29 @@ class Impl:
     grad: object = "op"
     binding: Optional[AclnnBinding] = None
     available: Optional[Callable] = None
+    warn: str = ""
+    about: str = ""
 
     def __post_init__(self):
         if self.name not in IMPL_NAMES:
             raise ValueError(f"Impl: name must be one of {IMPL_NAMES}, got {self.name!r}")
 
-    def unavailable(self, target, soc, mode):
-        """Why this implementation cannot run on (target, soc, mode), or '' when it can."""
+    def elsewhere(self, target, soc, mode):
+        """Why this implementation does not run on (target, soc, mode) at all, or ''."""
         if self.target is not None and target != self.target:
             return f"runs on {self.target} only"
         if self.socs is not None and soc not in self.socs:
             return f"runs on {'/'.join(self.socs)} only"
         if mode not in self.modes:
             return f"runs in {'/'.join(self.modes)} mode only"
-        return self.available() if self.available is not None else ""
+        return ""
+
+    def unavailable(self, target, soc, mode):
+        """Why this implementation cannot run here (elsewhere, or not installed), or ''."""
+        why = self.elsewhere(target, soc, mode)
+        if not why and self.available is not None:
+            why = self.available()
+        return why
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: declared once
@@ -180,19 +212,25 @@ class OpDef:
 
 
 def _check_binding(op, binding):
-    """An aclnn binding names the OpDef's inputs in order, then attributes of crossable types,
-    and gives a dtype for every input and output."""
+    """An aclnn binding passes every input of the OpDef once, as tensor arguments before every
+    scalar (MindSpore passes a registration's inputs first, then its attributes), scalars of
+    crossable types that are attributes or fixed values, and gives a dtype for every input and
+    output."""
     kernel, args = binding.kernel, binding.args
-    tensors = tuple(arg for arg, kind in args if kind == "tensor")
-    if args[:len(tensors)] != tuple((t, "tensor") for t in op.inputs):
-        raise ValueError(f"{op.name}: the {kernel} binding must list the inputs {op.inputs} first "
-                         f"and in order, got {tensors}")
-    attrs = {a.name for a in op.attrs}
-    for arg, kind in args[len(tensors):]:
+    present = [arg for arg, kind in args if kind == "tensor"]
+    if sorted(present) != sorted(op.inputs):
+        raise ValueError(f"{op.name}: the {kernel} binding must pass the inputs {op.inputs} "
+                         f"once each, got {tuple(present)}")
+    if [kind in ("tensor", ABSENT) for _, kind in args] != \
+            [True] * len(binding.tensors) + [False] * len(binding.scalars):
+        raise ValueError(f"{op.name}: the {kernel} binding must list its tensors before its "
+                         f"scalars, got {args}")
+    known = {a.name for a in op.attrs} | {name for name, _ in binding.fixed}
+    for arg, kind in binding.scalars:
         if kind not in ACLNN_SCALARS:
             raise TypeError(f"{op.name}: {kernel} argument '{arg}' has type {kind!r}, which cannot "
                             f"cross a Custom aclnn registration (only {sorted(ACLNN_SCALARS)})")
-        if arg not in attrs:
+        if arg not in known:
             raise ValueError(f"{op.name}: {kernel} argument '{arg}' is not an attribute of the op")
     width = len(op.inputs) + len(op.outputs)
     if not binding.dtypes or any(len(row) != width for row in binding.dtypes):
@@ -236,7 +274,26 @@ def _resolve_now(op, signature, **kwargs):
     platform = (target, _platform.soc_family(target), _platform.execution_mode(),
                 _platform.forced_impl())
     impl = choose(op, items, platform, signature)
-    return built(op, impl, items)
+    name, fn = built(op, impl, items)
+    for log in _RECORDERS:
+        log.append((op.name, name))
+    return fn
+
+
+_RECORDERS = []  # the lists of record_choices() blocks open now
+
+
+@contextlib.contextmanager
+def record_choices():
+    """Lists, in order, (operator, implementation) of every operator call resolved inside the
+    block, as what runs: the implementation of the callable handed out (in PyNative mode every
+    call; in GRAPH mode every call site while a graph is compiled)."""
+    log = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(log)
 
 
 # Run in Python while a graph is built: the choice is made once per compiled graph.
@@ -272,7 +329,10 @@ def choose(op, attr_items, platform, signature):
     for impl in op.impls:
         why = impl.unavailable(target, soc, mode) or _refusal(impl, attrs, args)
         if not why:
-            if passed:
+            if impl.warn:
+                _log.warning("%s: %s on %s (%s); passed over: %s", op.name, impl.name, where,
+                             impl.warn, "; ".join(passed) or "none")
+            elif passed:
                 _log.info("%s: %s on %s; passed over: %s", op.name, impl.name, where,
                           "; ".join(passed))
             else:
@@ -310,7 +370,8 @@ _FORWARDS = []  # the callables _WithBprop Cells run, by index
 
 
 def built(op, impl, attr_items):
-    """The callable of one implementation for one attribute set (built once)."""
+    """(implementation name, callable) of one implementation for one attribute set (built
+    once)."""
     key = (op, impl.name, attr_items)
     if key not in _BUILT:
         attrs = dict(attr_items)
@@ -323,7 +384,7 @@ def built(op, impl, attr_items):
         if bprop is not None:
             _FORWARDS.append(fn)
             fn = _WithBprop(len(_FORWARDS) - 1, bprop)
-        _BUILT[key] = fn
+        _BUILT[key] = impl.name, fn
     return _BUILT[key]
 
 

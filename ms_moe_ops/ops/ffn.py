@@ -7,10 +7,17 @@ costs one grouped product (about 1/7 of a training step's FFN flops) but keeps n
 alive between forward and backward, and keeps the primitive's single output y. The int8 path
 (ffn_int8.cc) is inference only.
 
-Implementations: the CPU kernel; on Atlas A2/A3 MindSpore's built-in FFN (aclnnFFN) for float16
-and for int8 with float16 output; a composition of grouped_matmul and the activation for the
-other float dtypes and everywhere else. aclnnMoeFFN itself cannot be called through ops.Custom
-(its activation is a char* and its expertTokens a host aclIntArray).
+Implementations: the CPU kernel; on Atlas A2 in GRAPH mode aclnnFFNV3 (the interface that carries
+aclnnMoeFFN's computation in current CANN, its expert token counts a device tensor) for
+float16/bfloat16 and for int8 with float16 output; on Atlas A2 in PyNative mode MindSpore's
+built-in FFN (aclnnFFN) for float16 and that int8 case; a composition of grouped_matmul and the
+activation everywhere else.
+
+The seed's aclnnMoeFFN is not bound: its expertTokens is a host aclIntArray, which a Custom
+primitive of MindSpore 2.10 can only be given as a constant of the graph (it declares no input
+whose value is read on the host at run time, so counts computed by the router cannot reach it),
+and current CANN no longer ships it (its FFN document: "provides the MoeFFN and FFN
+computation"). Its char* activation would cross (tests/test_compat.py keeps a canary of both).
 """
 import mindspore as ms
 from mindspore import ops
@@ -18,9 +25,9 @@ from mindspore import ops
 from .._compat import auto_generate
 from ._checks import FLOATS, attr_error, check_dtype, check_range, check_same_dtype, \
     check_shape, dims
-from ._impls import builtin, composition, kernel
+from ._impls import aclnn, builtin, composition, kernel
 from ._op import Attr, OpDef
-from ._platform import A2, A3
+from ._platform import A2
 from .grouped_matmul import cover_every_row, group_sum, grouped_matmul
 
 _OP = "moe_ffn"
@@ -180,45 +187,91 @@ def _float_only(a, args):
     return True, ""
 
 
-def _ffn_builtin(a):
-    """MindSpore's built-in FFN (aclnnFFN): expert tokens as host counts, activation an enum."""
-    tensor_to_tuple = auto_generate("tensor_to_tuple")
-    prim = auto_generate("FFNExt")(a["activation"], 0)  # inner_precise 0: the high-precision float16 kernel
+def _every_row_covered(a):
+    """Wraps an Ascend FFN kernel call: the kernels need counts that cover every row, so a padded
+    batch's rows past the last expert join it and are masked out of y."""
     cumulative, padded = a["tokens_index_flag"], a["padded"]
 
-    def ffn(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
-        # aclnnFFN takes per-expert counts covering every row: a padded batch's rows past the
-        # last expert go to it and are masked out
+    def wrap(call, inputs):
+        x, tokens = inputs[0], inputs[1]
         covered = None
         if padded:
             tokens, covered = cover_every_row(tokens, x.shape[0], cumulative)
-        if cumulative:
-            tokens = tokens - ops.concat((ops.zeros((1,), ms.int64), tokens[:-1]))
-        y = prim(x, w1, w2, tensor_to_tuple(tokens), b1, b2, scale, offset, dq1, dq2)
+        y = call((x, tokens) + tuple(inputs[2:]))
         return y if covered is None else y * covered.astype(y.dtype)
+
+    return wrap
+
+
+def _ffn_v3_call(a):
+    """aclnnFFNV3 with every row covered, and a bfloat16 product's biases in float32 (the
+    kernel's bfloat16 rows take float32 biases)."""
+    covering = _every_row_covered(a)
+
+    def wrap(call, inputs):
+        inputs = list(inputs)
+        if inputs[0].dtype == ms.bfloat16:
+            for i in (3, 5):  # bias1, bias2
+                if inputs[i] is not None:
+                    inputs[i] = inputs[i].astype(ms.float32)
+        return covering(call, tuple(inputs))
+
+    return wrap
+
+
+def _ffn_builtin(a):
+    """MindSpore's built-in FFN (aclnnFFN): expert tokens as host counts (a device-to-host copy
+    per call), activation an enum."""
+    tensor_to_tuple = auto_generate("tensor_to_tuple")
+    prim = auto_generate("FFNExt")(a["activation"], 0)  # inner_precise 0: high-precision float16
+    covering = _every_row_covered(dict(a, tokens_index_flag=False))
+    cumulative = a["tokens_index_flag"]
+
+    def kernel_call(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
+        return prim(x, w1, w2, tensor_to_tuple(tokens), b1, b2, scale, offset, dq1, dq2)
+
+    def ffn(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2):
+        if cumulative:  # FFNExt takes counts
+            tokens = tokens - ops.concat((ops.zeros((1,), dtype=ms.int64), tokens[:-1]))
+        return covering(lambda inputs: kernel_call(*inputs),
+                        (x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2))
 
     return ffn
 
 
-FFN_BUILTIN_MAX_DIM = 65536  # aclnnFFN: H and F below it
+FFN_BUILTIN_MAX_DIM = 65536  # aclnnFFN / aclnnFFNV3: H and F below it
 
 
-def _ffn_builtin_fits(a, args):
-    """Where aclnnFFN's contract matches this operator's (CANN FFN operator document)."""
+def _ascend_ffn_fits(a, args, dtypes):
+    """Where aclnnFFN(V3)'s contract matches this operator's (CANN FFN operator documents):
+    x of `dtypes`, H and F < 65536, int8 written as float16."""
     x, w1 = args["x"].dtype, args["weight1"].shape
     if len(w1) != 3:
         return False, "weight1's rank is only known at run time"
     if max(w1[1], w1[2]) >= FFN_BUILTIN_MAX_DIM:
-        return False, f"aclnnFFN needs H and F < {FFN_BUILTIN_MAX_DIM}, got weight1 {list(w1)}"
-    if x == "float16":
-        return True, ""
-    if x == "int8":
-        if a["output_dtype"] in ("", "float16"):
-            return True, ""
-        return False, (f"aclnnFFN's int8 path writes float16 (bfloat16 only with bfloat16 dequant "
-                       f"scales, float32 never), got output_dtype={a['output_dtype']!r}: use "
-                       f"output_dtype='float16', or the CPU kernel")
-    return False, f"it is used for float16 only ({x} trains through the composition)"
+        return False, f"the kernel needs H and F < {FFN_BUILTIN_MAX_DIM}, got weight1 {list(w1)}"
+    if x == "int8" and a["output_dtype"] not in ("", "float16"):
+        return False, (f"the kernel's int8 path writes float16 (bfloat16 only with bfloat16 "
+                       f"dequant scales, float32 never), got output_dtype={a['output_dtype']!r}: "
+                       f"use output_dtype='float16', or the CPU kernel")
+    if x not in dtypes:
+        return False, f"it takes {'/'.join(dtypes)} x, got {x}"
+    return True, ""
+
+
+# aclnnFFNV3's prototype takes the OpDef's tensors in another order, four antiquant tensors this
+# package never passes, the activation as a char*, and innerPrecise (0: float16 in high
+# precision; bfloat16 requires 0) and tokensIndexFlag (cumulative ends) as scalars.
+_FFN_V3 = ("x, weight1, weight2, expert_tokens, bias1, bias2, scale, offset, deq_scale1, "
+           "deq_scale2, antiquant_scale1?, antiquant_scale2?, antiquant_offset1?, "
+           "antiquant_offset2?, activation:str, inner_precise:int, tokens_index_flag:bool")
+_NO_QUANT = (None,) * 4
+_FFN_V3_DTYPES = [
+    ("float16", "int64", "float16", "float16", "float16", "float16") + _NO_QUANT + ("float16",),
+    ("bfloat16", "int64", "bfloat16", "float32", "bfloat16", "float32") + _NO_QUANT
+    + ("bfloat16",),
+] + [("int8", "int64", "int8", "int32", "int8", "int32", "float32", "float32", dq, dq, "float16")
+     for dq in ("uint64", "float32")]
 
 
 MOE_FFN = OpDef(
@@ -234,7 +287,11 @@ MOE_FFN = OpDef(
     infer_dtype=_infer_dtype,
     impls=(
         kernel("MoeFFN"),
-        builtin(_ffn_builtin, socs=(A2, A3), supports=_ffn_builtin_fits),
+        aclnn("aclnnFFNV3", _FFN_V3, socs=(A2,), dtypes=_FFN_V3_DTYPES, fixed={"inner_precise": 0},
+              supports=lambda a, args: _ascend_ffn_fits(a, args, ("float16", "bfloat16", "int8")),
+              around=_ffn_v3_call),
+        builtin(_ffn_builtin, socs=(A2,), about="FFNExt: aclnnFFN",
+                supports=lambda a, args: _ascend_ffn_fits(a, args, ("float16", "int8"))),
         composition(_ffn_composed, supports=_float_only),
     ),
     bprop=_bprop,
@@ -269,12 +326,13 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         differentiable with respect to x, weight1, bias1, weight2 and bias2; asking for the
         quant path's gradient raises RuntimeError.
 
-    Ascend (Atlas A2/A3): float16, and int8 with float16 output, run MindSpore's built-in FFN
-    (aclnnFFN); its expertTokens are host integers, so each call copies the counts to the host
-    (a device-to-host copy and a stream sync; not checked on a device). float32/bfloat16 run
+    Ascend: on Atlas A2 in GRAPH mode float16, bfloat16 and int8 (float16 output) run
+    aclnnFFNV3 (the expert counts stay on the device), in PyNative mode float16 and int8 run
+    MindSpore's built-in FFN (aclnnFFN, whose expert counts are copied to the host on every
+    call); float32, and every dtype on Atlas A3 and Ascend 950 (which have neither kernel), run
     grouped_matmul and the activation. int8 with another output_dtype raises
-    NotImplementedError there. aclnnFFNV3 (expertTokens an aclTensor, tokensIndexFlag) would
-    avoid the copy but has a char* activation: it needs a C++ custom op.
+    NotImplementedError on Ascend. Both FFN kernels are non-deterministic unless MindSpore's
+    deterministic mode is on (`ms.set_context(deterministic="ON")`).
     """
     return MOE_FFN(x, expert_tokens, weight1, bias1, weight2, bias2, scale, offset, deq_scale1,
                    deq_scale2, activation=activation, tokens_index_flag=tokens_index_flag,

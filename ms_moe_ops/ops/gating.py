@@ -1,9 +1,10 @@
 """Router operators (SPEC §1-2): moe_gating_top_k, its sigmoid backward (the seed
 aclnnMoeGatingTopKBackward) and its softmax backward (this package's own).
 
-Implementations: the CPU kernels; on Atlas A2/A3 in GRAPH mode aclnnMoeGatingTopK and
-aclnnMoeGatingTopKBackward within their limits; a composition of MindSpore ops everywhere else
-(PyNative on Ascend: MindSpore's PyNative custom path cannot pass the kernels' scalars).
+Implementations: the CPU kernels; on Atlas A2/A3 and Ascend 950 in GRAPH mode
+aclnnMoeGatingTopK and aclnnMoeGatingTopKBackward within their limits, when the installed CANN has
+them; a composition of MindSpore ops everywhere else (PyNative on Ascend: MindSpore's PyNative
+custom path takes tensors only, not the kernels' scalars).
 """
 import numpy as np
 import mindspore as ms
@@ -12,8 +13,9 @@ from mindspore import ops
 from ._checks import (FLOATS, check_dtype, check_range, check_rank, check_same_dtype, check_shape,
                       differ, dims, known)
 from ._impls import aclnn, composition, kernel
+from ._indexing import add_per_row
 from ._op import Attr, OpDef
-from ._platform import A2, A3
+from ._platform import A2, A3, ASCEND_950
 
 MAX_EXPERTS = 2048
 ACLNN_MAX_ALIGNED_EXPERTS = 2048  # aclnnMoeGatingTopK: (experts per group, aligned up to 32) * groups
@@ -145,13 +147,15 @@ def _router_composed(a):
 
 
 def _aclnn_limits(a, args):
-    """aclnnMoeGatingTopK's own limits (CANN operator document)."""
+    """aclnnMoeGatingTopK's own limits (CANN ops-transformer moe_gating_top_k: its document and
+    tiling, which checks the aligned group size only when groups are really selected)."""
     n, groups = args["x"].shape[-1], a["group_count"]
     if n < 0:
         return False, "the expert count is only known at run time"
     per_group = n // groups
     aligned = -(-per_group // 32) * 32
-    if aligned * groups > ACLNN_MAX_ALIGNED_EXPERTS:
+    selecting = groups not in (1, n) and a["k_group"] != groups
+    if selecting and aligned * groups > ACLNN_MAX_ALIGNED_EXPERTS:
         return False, (f"experts per group aligned up to 32 ({aligned}) x group_count ({groups}) "
                        f"= {aligned * groups} > {ACLNN_MAX_ALIGNED_EXPERTS}")
     if per_group <= a["group_select_mode"]:
@@ -159,6 +163,13 @@ def _aclnn_limits(a, args):
     if a["norm_type"] == 0 and a["renorm"] == 1:
         return False, "the kernel supports renorm=0 only (softmax renormalisation is composed)"
     return True, ""
+
+
+def _aclnn_router_scalars(a):
+    """out_flag true: with out_flag false the kernel leaves its third output (x_norm) unwritten,
+    and the bprop reads it. renorm 0: sigmoid renormalises whatever renorm says, and softmax with
+    renorm=1 is composed (the kernel's releases before 2026 take renorm=0 only)."""
+    return dict(out_flag=True, renorm=0)
 
 
 GATING_TOP_K = OpDef(
@@ -178,10 +189,8 @@ GATING_TOP_K = OpDef(
         aclnn("aclnnMoeGatingTopK",
               "x, bias, k:int, k_group:int, group_count:int, group_select_mode:int, renorm:int, "
               "norm_type:int, out_flag:bool, routed_scaling_factor:double, eps:double",
-              socs=(A2, A3), dtypes=[(t, t, t, "int32", "float32") for t in FLOATS],
-              supports=_aclnn_limits,
-              # sigmoid always renormalises; the kernel accepts renorm=0 only
-              scalars=lambda a: {"renorm": 0} if a["norm_type"] == 1 else {}),
+              socs=(A2, A3, ASCEND_950), dtypes=[(t, t, t, "int32", "float32") for t in FLOATS],
+              supports=_aclnn_limits, scalars=_aclnn_router_scalars),
         composition(_router_composed),
     ),
     bprop=_router_bprop,
@@ -251,17 +260,20 @@ def _sigmoid_backward_composed(a):
         w = ops.gather_elements(x_norm, 1, expert_idx)
         d = w.sum(axis=-1, keepdims=True) + eps
         beta = (w / d * g).sum(axis=-1, keepdims=True)
-        gn = ops.tensor_scatter_elements(ops.zeros_like(x_norm), expert_idx, (g - beta) / d,
-                                         axis=1, reduction="add")
+        gn = add_per_row(x_norm, expert_idx, (g - beta) / d)
         return (x_norm * (1 - x_norm) * gn).astype(grad_y.dtype)
 
     return grad
 
 
-def _float32_grad_y(call, inputs):
-    """The kernel writes grad_x in x_norm's dtype (float32): give it float32 grad_y, cast back."""
-    x_norm, grad_y, expert_idx = inputs
-    return call((x_norm, grad_y.astype(ms.float32), expert_idx)).astype(grad_y.dtype)
+def _float32_grad_y(a):
+    """The kernel is called with float32 grad_y (a float32 grad_x, as it is registered), cast
+    back to grad_y's dtype."""
+    def wrap(call, inputs):
+        x_norm, grad_y, expert_idx = inputs
+        return call((x_norm, grad_y.astype(ms.float32), expert_idx)).astype(grad_y.dtype)
+
+    return wrap
 
 
 GATING_BACKWARD = OpDef(
@@ -278,7 +290,7 @@ GATING_BACKWARD = OpDef(
         aclnn("aclnnMoeGatingTopKBackward",
               "x_norm, grad_y, expert_idx, renorm:int, norm_type:int, "
               "routed_scaling_factor:double, eps:double",
-              socs=(A2, A3), dtypes=[("float32", "float32", "int32", "float32")],
+              socs=(A2, A3, ASCEND_950), dtypes=[("float32", "float32", "int32", "float32")],
               around=_float32_grad_y),
         composition(_sigmoid_backward_composed),
     ),
@@ -308,8 +320,7 @@ def _softmax_backward_composed(a):
             d = w.sum(axis=-1, keepdims=True) + eps
             beta = (w / d * g).sum(axis=-1, keepdims=True)
             g = (g - beta) / d
-        gn = ops.tensor_scatter_elements(ops.zeros_like(x_norm), expert_idx, g, axis=1,
-                                         reduction="add")
+        gn = add_per_row(x_norm, expert_idx, g)
         out = x_norm * (gn - (x_norm * gn).sum(axis=-1, keepdims=True))
         return out.astype(grad_y.dtype)
 

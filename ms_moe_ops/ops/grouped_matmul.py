@@ -58,7 +58,7 @@ def _infer_dtype(a, x, weight, group_list, bias):
 
 def group_sum(values, group_list, cumulative=False):
     """Per-group sum of the rows of values [M, N] -> [G, N] (a product with a column of ones)."""
-    ones = ops.ones((values.shape[0], 1), values.dtype)
+    ones = ops.ones((values.shape[0], 1), dtype=values.dtype)
     sums = grouped_matmul(ones, values, group_list, transpose_x=True, cumulative=cumulative)
     shape = (sums.shape[0], sums.shape[2])
     if values.dtype == ms.bfloat16:  # GRAPH mode has no bfloat16 Reshape on CPU (exact casts)
@@ -96,24 +96,25 @@ def _group_members(group_list, rows, cumulative):
 
 
 def _composed(a):
-    """Every group's product as a batched float32 matmul, masked to the group's rows: G times the
-    flops of the grouped product, exact (the other groups contribute zeros)."""
+    """One masked product per group, in float32: memory of one [M, N] product at a time (never
+    a [G, M, N] tensor), G times the flops of the grouped product (every group's product covers
+    all M rows). Exact: the other groups' rows contribute zeros. The last resort where neither a
+    kernel nor a built-in runs (the resolver says so with a warning)."""
     transpose_x, transpose_weight, cumulative = a["transpose_x"], a["transpose_weight"], \
         a["cumulative"]
+    matmul = ops.MatMul(transpose_a=transpose_x, transpose_b=transpose_weight)
 
     def f(x, weight, group_list, bias):
-        rows = x.shape[0]
-        member = _group_members(group_list, rows, cumulative)              # [M, G]
-        mask = member.T.expand_dims(-1)                                     # [G, M, 1]
+        member = _group_members(group_list, x.shape[0], cumulative)        # [M, G]
         xf = x.astype(ms.float32)
-        if transpose_x:  # out[g] = x_g^T @ weight_g
-            out = ops.matmul((mask * xf.expand_dims(0)).transpose(0, 2, 1),
-                             weight.astype(ms.float32))
-            return out.astype(x.dtype)
-        w = weight.astype(ms.float32)
-        if transpose_weight:
-            w = w.transpose(0, 2, 1)
-        y = (ops.matmul(xf.expand_dims(0), w) * mask).sum(0)                # [M, N]
+        wf = weight.astype(ms.float32)
+        if transpose_x:  # out[g] = x_g^T @ weight_g: [G, K, N]
+            return ops.stack([matmul(xf * member[:, g:g + 1], wf)
+                              for g in range(group_list.shape[0])]).astype(x.dtype)
+        y = None
+        for g in range(group_list.shape[0]):
+            part = member[:, g:g + 1] * matmul(xf, wf[g])
+            y = part if y is None else y + part
         if bias is not None:
             y = y + ops.matmul(member, bias.astype(ms.float32))
         return y.astype(x.dtype)
@@ -132,11 +133,15 @@ def cover_every_row(group_list, rows, cumulative):
 
 
 def _builtin(a):
-    """MindSpore's grouped matmul with a tensor group list (GmmV2: aclnnGroupedMatmul); it has
-    no CPU kernel. transpose_x groups the reduced axis (group_type 2, x given as a transposed
-    view, as MindSpore's own backward does); bfloat16 takes a float32 bias; rows past the last
-    group (a padded batch) are masked, as the kernel needs every row in a group."""
+    """MindSpore's grouped matmul with a tensor group list (GmmV2: aclnnGroupedMatmulV4); it has
+    no CPU kernel. Transposed operands go as views (TransposeExtView), never as copies: with
+    transpose_x the reduced axis is grouped (group_type 2), where the kernel requires x to be a
+    transposed, non-contiguous view (CANN's aclnnGroupedMatmulV4 document; MindSpore's own GMM
+    backward passes it so); with transpose_weight the weights are read through a view rather than
+    copied on every call. bfloat16 takes a float32 bias; rows past the last group (a padded
+    batch) are masked, as the kernel needs every row in a group."""
     gmm_v2_op = auto_generate("gmm_v2_op")
+    view = auto_generate("transpose_ext_view")
     cumulative, padded = a["cumulative"], a["padded"]
     list_type = 0 if cumulative else 1  # 0: cumulative ends, 1: counts
     transpose_x, transpose_weight = a["transpose_x"], a["transpose_weight"]
@@ -148,9 +153,9 @@ def _builtin(a):
         if transpose_x:
             if padded:
                 x = x * covered.astype(x.dtype)
-            return gmm_v2_op([x.T], [weight], None, group_list, 2, list_type)[0]
+            return gmm_v2_op([view(x, 0, 1)], [weight], None, group_list, 2, list_type)[0]
         if transpose_weight:
-            weight = weight.transpose(0, 2, 1)
+            weight = view(weight, 1, 2)
         if bias is not None:
             bias = [bias.astype(ms.float32) if x.dtype == ms.bfloat16 else bias]
         y = gmm_v2_op([x], [weight], bias, group_list, 0, list_type)[0]
@@ -192,8 +197,10 @@ GROUPED_MATMUL = OpDef(
     infer_dtype=_infer_dtype,
     impls=(
         kernel("GroupedMatmul"),
-        builtin(_builtin, socs=(A2, A3, ASCEND_950), grad=_builtin_grad),
-        composition(_composed),
+        builtin(_builtin, socs=(A2, A3, ASCEND_950), grad=_builtin_grad,
+                about="GmmV2: aclnnGroupedMatmulV4"),
+        composition(_composed, warn="a masked product per group: G times the flops of the grouped "
+                                    "product"),
     ),
     bprop=_bprop,
 )

@@ -5,16 +5,18 @@ by expert, moe_token_unpermute brings the expert outputs back and merges them pe
 destination map, as returned by Ascend's moe_token_permute). Rows of one expert keep the token
 order (a stable sort), so expert e owns rows [sum(counts[:e]), sum(counts[:e + 1])).
 
-Implementations: the CPU kernels; on Atlas A2/A3 MindSpore's moe_token_permute /
-moe_token_unpermute (top-k <= 512); compositions of MindSpore ops everywhere else.
+Implementations: the CPU kernels; on Atlas A2/A3 and Ascend 950 MindSpore's moe_token_permute /
+moe_token_unpermute (top-k <= 512; CANN documents aclnnMoeTokenPermute/Unpermute on all three);
+compositions of MindSpore ops everywhere else.
 """
 import mindspore as ms
 from mindspore import ops
 
 from ._checks import FLOATS, check_dtype, check_shape, differ, dims, known, product
 from ._impls import builtin, composition, kernel
+from ._indexing import count, inverse_permutation, stable_order, take_rows
 from ._op import Attr, OpDef
-from ._platform import A2, A3
+from ._platform import A2, A3, ASCEND_950
 
 BUILTIN_MAX_TOP_K = 512  # MindSpore's moe_token_permute / unpermute on Ascend
 
@@ -67,42 +69,27 @@ def _permute_bprop(a):
     return bprop
 
 
-def _counts(flat, num_experts):
-    # TensorScatterAdd: the CPU's TensorScatterElements add loses updates between threads
-    return ops.tensor_scatter_add(ops.zeros((num_experts,), ms.int64), flat.reshape(-1, 1),
-                                  ops.ones(flat.shape, ms.int64))
-
-
 def _permute_builtin(a):
     num_experts = a["num_experts"]
 
     def permute(x, expert_idx):
         permuted, sorted_index = ops.moe_token_permute(x, expert_idx)
-        return permuted, sorted_index, _counts(expert_idx.reshape(-1), num_experts)
+        return permuted, sorted_index, count(expert_idx, num_experts)
 
     return permute
 
 
 def _permute_composed(a):
-    """The stable counting sort from MindSpore ops: pair i goes to row (rows of lower experts) +
-    (earlier pairs of its expert). Costs [T*K, E] integers."""
+    """The stable sort of the (token, slot) pairs by expert from MindSpore ops: O(T*K) memory,
+    O(T*K log T*K) work (a sort, no [T*K, E] one-hot)."""
     num_experts = a["num_experts"]
 
     def permute(x, expert_idx):
         k = expert_idx.shape[1]
-        flat = expert_idx.reshape(-1)
-        experts = ops.arange(num_experts, dtype=ms.int32).reshape(1, -1)
-        onehot = (flat.reshape(-1, 1) == experts).astype(ms.int32)             # [T*K, E]
-        counts = onehot.sum(0)
-        starts = ops.cumsum(counts, 0) - counts
-        earlier = (ops.cumsum(onehot, 0) * onehot).sum(1) - 1
-        sorted_index = (onehot * starts.reshape(1, -1)).sum(1) + earlier
-        pairs = sorted_index.shape[0]
-        source = ops.scatter_nd(sorted_index.reshape(-1, 1), ops.arange(pairs, dtype=ms.int32),
-                                (pairs,))                                      # row -> pair
+        source = stable_order(expert_idx.reshape(-1))                          # row -> pair
         # float32 rows: exact, and MindSpore's CPU Gather has no bfloat16 kernel
-        permuted = ops.gather(x.astype(ms.float32), source // k, 0).astype(x.dtype)
-        return permuted, sorted_index.astype(ms.int32), counts.astype(ms.int64)
+        permuted = take_rows(x.astype(ms.float32), source // k).astype(x.dtype)
+        return permuted, inverse_permutation(source), count(expert_idx, num_experts)
 
     return permute
 
@@ -117,7 +104,8 @@ PERMUTE = OpDef(
     infer_dtype=_infer_permute_dtype,
     impls=(
         kernel("MoeTokenPermute"),
-        builtin(_permute_builtin, socs=(A2, A3),
+        builtin(_permute_builtin, socs=(A2, A3, ASCEND_950),
+                about="moe_token_permute: aclnnMoeTokenPermute",
                 supports=lambda a, args: _top_k_within(args["expert_idx"].shape[-1])),
         composition(_permute_composed),
     ),
@@ -213,7 +201,7 @@ def _unpermute_composed(a):
 
     def unpermute(permuted, sorted_index, probs):
         k = probs.shape[1] if probs is not None else (top_k or 1)
-        rows = ops.gather(permuted.astype(ms.float32), sorted_index, 0)
+        rows = take_rows(permuted.astype(ms.float32), sorted_index)
         rows = rows.reshape(permuted.shape[0] // k, k, permuted.shape[1])  # H may be 0
         if probs is not None:
             rows = rows * probs.astype(ms.float32).expand_dims(-1)
@@ -233,7 +221,7 @@ def _unpermute_builtin(a):
     def unpermute(permuted, sorted_index, probs):
         if probs is None and top_k > 1:
             # Ascend takes K from probs; unit weights give the plain sum over the K slots
-            probs = ops.ones((permuted.shape[0] // top_k, top_k), permuted.dtype)
+            probs = ops.ones((permuted.shape[0] // top_k, top_k), dtype=permuted.dtype)
         if probs is not None:
             probs = probs.astype(permuted.dtype)
         return ops.moe_token_unpermute(permuted, sorted_index, probs)
@@ -252,7 +240,8 @@ UNPERMUTE = OpDef(
     infer_dtype=_infer_unpermute_dtype,
     impls=(
         kernel("MoeTokenUnpermute"),
-        builtin(_unpermute_builtin, socs=(A2, A3),
+        builtin(_unpermute_builtin, socs=(A2, A3, ASCEND_950),
+                about="moe_token_unpermute: aclnnMoeTokenUnpermute",
                 supports=lambda a, args: _top_k_within(_unpermute_top_k(a, args))),
         composition(_unpermute_composed),
     ),
@@ -297,14 +286,14 @@ def _unpermute_backward_composed(a):
     def backward(permuted, sorted_index, probs, grad_out):
         t, h = grad_out.shape
         k = probs.shape[1] if probs is not None else (top_k or 1)
-        index = sorted_index.astype(ms.int64).reshape(-1, 1)
         rows = ops.broadcast_to(grad_out.reshape(t, 1, h), (t, k, h)).astype(ms.float32)
         if probs is not None:
             rows = rows * probs.astype(ms.float32).reshape(t, k, 1)
-        d_permuted = ops.scatter_nd(index, rows.reshape(t * k, h), permuted.shape)
+        # row sorted_index[j] of d_permuted is (token, slot) j's
+        d_permuted = take_rows(rows.reshape(t * k, h), inverse_permutation(sorted_index))
         if probs is None:
-            return d_permuted.astype(permuted.dtype), ops.zeros((t, k), ms.float32)
-        mine = ops.gather(permuted.astype(ms.float32), sorted_index, 0).reshape(t, k, h)
+            return d_permuted.astype(permuted.dtype), ops.zeros((t, k), dtype=ms.float32)
+        mine = take_rows(permuted.astype(ms.float32), sorted_index).reshape(t, k, h)
         d_probs = (mine * grad_out.astype(ms.float32).reshape(t, 1, h)).sum(axis=-1)
         return d_permuted.astype(permuted.dtype), d_probs.astype(probs.dtype)
 

@@ -9,6 +9,7 @@ in GRAPH mode (the only SoC that has it) and composed elsewhere.
 """
 import math
 
+import numpy as np
 import mindspore as ms
 from mindspore import ops
 
@@ -20,7 +21,12 @@ from ._platform import ASCEND_950
 
 _FWD = "swiglu_group"
 _BWD = "swiglu_group_quant_grad"
-ACLNN_CLAMP_OFF = -1.0  # aclnnSwigluGroupQuantGrad accepts -1 ("off") or > 0, not 0
+# The clamp limit aclnnSwigluGroupQuantGrad gets when the clamp is off. The kernel's versions
+# disagree on how to say "off": its operator document and first version read 0 as off (and -1 as
+# a limit of -1); its later tiling accepts only -1 (off) or > 0 and rejects 0. The largest float32
+# is a limit to both, and the same as no clamp for every input of magnitude below it: only
+# +-inf and +-3.4028235e38 get the clamped gradient (zero) instead of the unclamped one.
+ACLNN_CLAMP_OFF = float(np.finfo(np.float32).max)
 
 
 def _check_clamp(op):
@@ -90,7 +96,7 @@ def _row_mask(rows_shape, group_index):
 
 def _clamped(x, c):
     """float32 halves (x0, x1) of x and their clamped values (x0', x1')."""
-    x0, x1 = ops.chunk(x.astype(ms.float32), 2, axis=-1)
+    x0, x1 = ops.chunk(x.astype(ms.float32), 2, -1)
     if c > 0:
         return x0, x1, ops.minimum(x0, c), ops.clamp(x1, -c, c)
     return x0, x1, x0, x1
@@ -211,7 +217,7 @@ def _backward_composed(a):
         lead = tuple(x.shape[:-1])
         keep = None if group_index is None else _row_mask(lead, group_index)
         if weight is None:
-            grad_w = ops.zeros(lead + (1,), ms.float32)
+            grad_w = ops.zeros(lead + (1,), dtype=ms.float32)
         else:
             grad_w = (g * y_origin.astype(ms.float32)).sum(-1, keepdims=True)
             grad_w = grad_w if keep is None else grad_w * keep
@@ -241,7 +247,7 @@ SWIGLU_GROUP_QUANT_GRAD = OpDef(
     impls=(
         kernel("SwigluGroupQuantGrad"),
         # groupIndexOptional is an aclTensor in the generated header (the seed text's aclIntArray
-        # is wrong); clampLimit is a double, and "off" must reach the kernel as -1
+        # is wrong); clampLimit is a double, and "off" reaches the kernel as ACLNN_CLAMP_OFF
         aclnn("aclnnSwigluGroupQuantGrad", "grad_y, x, weight, y_origin, group_index, "
               "clamp_limit:double", socs=(ASCEND_950,),
               dtypes=[(t, t, "float32", t, "int64", t, "float32") for t in FLOATS],

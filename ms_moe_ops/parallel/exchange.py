@@ -21,6 +21,8 @@ needs the same M on every rank.
 import mindspore as ms
 from mindspore import nn, ops
 
+from ..ops._indexing import add_at, take_rows
+
 __all__ = ["AllReduceExchange", "AlltoAllVExchange", "chunk_rows", "transpose_chunks_index",
            "inverse_index"]
 
@@ -34,7 +36,7 @@ def chunk_rows(sizes, starts, rows, pad):
     row = ops.arange(rows, dtype=ms.int64)
     chunk = ops.searchsorted(ends, row, right=True)  # C past the last chunk
     last = sizes.shape[0] - 1
-    src = row + ops.gather(shift, ops.minimum(chunk, last), 0)
+    src = row + take_rows(shift, ops.minimum(chunk, last))
     return ops.where(chunk <= last, src, ops.full_like(src, pad))
 
 
@@ -53,11 +55,12 @@ def inverse_index(index):
     row, or to `rows` (padding); the result maps each source row back to its output row, and the
     source rows no output row read to `rows`. int64 [rows]."""
     rows = index.shape[0]
-    # scatter (position - rows), then add rows: unread source rows end at rows; the padding
-    # entries all land on the extra last element, which is dropped
-    position = ops.arange(rows, dtype=ms.int64)
-    back = ops.scatter_nd(index.reshape(-1, 1), position - rows, (rows + 1,))
-    return back[:rows] + rows
+    # add (position - rows) at each index, then rows: unread source rows end at rows; the padding
+    # entries land on the extra last element (adding 0), which is dropped
+    position = ops.arange(rows, dtype=ms.int32)
+    moved = ops.where(index == rows, ops.zeros_like(position), position - rows)
+    back = add_at(ops.zeros((rows + 1,), dtype=ms.int32), index, moved)
+    return (back[:rows] + rows).astype(ms.int64)
 
 
 class AllReduceExchange(nn.Cell):
@@ -81,14 +84,16 @@ class AllReduceExchange(nn.Cell):
         """x [M, H] -> [n*M, H]: the rows sent to this rank, then zero rows."""
         h = x.shape[1]
         everyone = self.all_reduce(self._place(x))
-        padded = ops.concat((everyone, ops.zeros((1, h), x.dtype)))
-        return ops.gather(padded, plan, 0)
+        padded = ops.concat((everyone, ops.zeros((1, h), dtype=x.dtype)))
+        return take_rows(padded, plan)
 
     def combine(self, y, plan):
         """y [n*M, H] (rows past those received are ignored) -> [M, H]."""
         rows, h = y.shape
         m = rows // self.size
-        home = ops.scatter_nd(plan.reshape(-1, 1), y, (rows + 1, h))[:rows]  # padding: last row
+        # each received row back at its place in the [n*M] buffer (zeros where none goes)
+        padded = ops.concat((y, ops.zeros((1, h), dtype=y.dtype)))
+        home = take_rows(padded, inverse_index(plan))
         mine = self.all_reduce(home)
         return mine[self.rank * m:(self.rank + 1) * m]
 
@@ -97,10 +102,10 @@ class AllReduceExchange(nn.Cell):
         m, h = x.shape
         parts = []
         if self.rank > 0:
-            parts.append(ops.zeros((self.rank * m, h), x.dtype))
+            parts.append(ops.zeros((self.rank * m, h), dtype=x.dtype))
         parts.append(x)
         if self.rank < self.size - 1:
-            parts.append(ops.zeros(((self.size - 1 - self.rank) * m, h), x.dtype))
+            parts.append(ops.zeros(((self.size - 1 - self.rank) * m, h), dtype=x.dtype))
         return ops.concat(parts)
 
 
@@ -108,7 +113,8 @@ class AlltoAllVExchange(nn.Cell):
     """The exchange pair as ops.AlltoAllV (HCCL on Ascend; no CPU kernel). Exact sizes: dispatch
     returns [R, H] with R = sum(send[:, r]) (a dynamic shape), combine [M, H]. MindSpore's
     backward of AlltoAllV is AlltoAllV with the two lists swapped, which is the other function
-    of the pair. MindSpore documents a shape-() result when a rank receives nothing at all."""
+    of the pair. A rank that receives nothing at all gets a tensor of shape () from AlltoAllV
+    (MindSpore documents it): the rows taken are the first R*H elements, so that is [0, H]."""
 
     def __init__(self, ep, hidden_size):
         super().__init__()
@@ -123,8 +129,12 @@ class AlltoAllVExchange(nn.Cell):
 
     def dispatch(self, x, plan):
         sent, received = plan
-        return self.all_to_all(x.reshape(-1), sent, received).reshape(-1, self.hidden_size)
+        return self._rows(self.all_to_all(x.reshape(-1), sent, received), received)
 
     def combine(self, y, plan):
         sent, received = plan
-        return self.all_to_all(y.reshape(-1), received, sent).reshape(-1, self.hidden_size)
+        return self._rows(self.all_to_all(y.reshape(-1), received, sent), sent)
+
+    def _rows(self, out, counts):
+        """AlltoAllV's output as [rows, H] (its shape-() result when nothing arrives: [0, H])."""
+        return out.reshape(-1)[:counts.sum() * self.hidden_size].reshape(-1, self.hidden_size)

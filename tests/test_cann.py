@@ -1,0 +1,89 @@
+"""Which aclnn kernels an installed CANN has (ms_moe_ops/ops/_cann.py), on fake CANN layouts: small
+shared libraries built here that export what a CANN op-api library would, placed where MindSpore
+2.10 looks for them."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from ms_moe_ops.ops import _cann
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                              reason="builds fake op-api libraries with a C compiler")
+
+
+def _library(path, kernels, extra=()):
+    """A shared library at path exporting aclnnX and aclnnXGetWorkspaceSize for each kernel X
+    (and the names in extra)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    names = [n for k in kernels for n in (k, k + "GetWorkspaceSize")] + list(extra)
+    source = path + ".c"
+    with open(source, "w") as f:
+        f.write("".join(f"int {n}(void) {{ return 0; }}\n" for n in names) or "int nothing;\n")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", path, source], check=True)
+    return path
+
+
+@needs_cc
+def test_a_kernel_in_the_toolkits_op_api_library(tmp_path):
+    root = tmp_path / "cann"
+    _library(str(root / "lib64" / "libopapi.so"), ["aclnnMoeGatingTopK"])
+    env = {"ASCEND_HOME_PATH": str(root)}
+    assert _cann.missing_kernel("aclnnMoeGatingTopK", env) == ""
+    why = _cann.missing_kernel("aclnnSwigluGroupQuantGrad", env)
+    assert "does not have aclnnSwigluGroupQuantGrad" in why and "libopapi.so" in why
+
+
+@needs_cc
+def test_both_phases_must_be_exported(tmp_path):
+    root = tmp_path / "cann"
+    # only the second phase: MindSpore would fail at GetWorkspaceSize
+    _library(str(root / "lib64" / "libopapi.so"), [], extra=["aclnnMoeFFN"])
+    assert _cann.missing_kernel("aclnnMoeFFN", {"ASCEND_HOME_PATH": str(root)})
+
+
+@needs_cc
+def test_per_package_libraries_vendors_and_custom_paths(tmp_path):
+    root = tmp_path / "toolkit"
+    _library(str(root / "lib64" / "libopapi.so"), [])
+    _library(str(root / "lib64" / "libopapi_nn.so"), ["aclnnSwigluGroupQuantGrad"])
+    vendors = root / "opp" / "vendors"
+    _library(str(vendors / "mine" / "op_api" / "lib" / "libcust_opapi.so"), ["aclnnMine"])
+    _library(str(vendors / "ignored" / "op_api" / "lib" / "libcust_opapi.so"), ["aclnnIgnored"])
+    (vendors / "config.ini").write_text("load_priority=mine\n")
+    custom = tmp_path / "custom"
+    _library(str(custom / "op_api" / "lib" / "libcust_opapi.so"), ["aclnnCustom"])
+    env = {"ASCEND_OPP_PATH": str(root / "opp"), "ASCEND_CUSTOM_OPP_PATH": str(custom)}
+    for kernel in ("aclnnSwigluGroupQuantGrad", "aclnnMine", "aclnnCustom"):
+        assert _cann.missing_kernel(kernel, env) == "", kernel
+    assert _cann.missing_kernel("aclnnIgnored", env)  # a vendor not in load_priority
+    libs = _cann.op_api_libraries(env)
+    assert libs[0] == str(custom / "op_api" / "lib" / "libcust_opapi.so")
+    assert libs[-1] == str(root / "lib64" / "libopapi.so")
+
+
+def test_no_cann_at_all_says_how_to_point_at_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(_cann, "_loaded_acl_roots", lambda: [])
+    why = _cann.missing_kernel("aclnnMoeGatingTopK", {"ASCEND_HOME_PATH": str(tmp_path)})
+    assert "no CANN op-api library found" in why and "ASCEND_HOME_PATH" in why
+
+
+def test_files_that_are_no_library_export_nothing(tmp_path):
+    fake = tmp_path / "libopapi.so"
+    fake.write_bytes(b"not an ELF file")
+    assert _cann.exported_symbols(str(fake)) == frozenset()
+    assert _cann.exported_symbols(str(tmp_path / "absent.so")) == frozenset()
+
+
+@needs_cc
+def test_imported_symbols_are_not_exports(tmp_path):
+    # a library that calls aclnnX without defining it does not have it
+    path = tmp_path / "libuses.so"
+    source = tmp_path / "uses.c"
+    source.write_text("extern int aclnnX(void);\nint use(void) { return aclnnX(); }\n")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
+    symbols = _cann.exported_symbols(str(path))
+    assert "use" in symbols and "aclnnX" not in symbols
