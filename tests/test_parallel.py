@@ -173,8 +173,8 @@ def test_one_rank_expert_parallel_is_the_local_layer_bit_for_bit(case, dtype, mo
         layer.result = layer_grads(layer, x, cot, mode, dtype)
         layer.out = numpy(run(layer, tensor(x, dtype), mode=mode))
         layer.load = update_expert_bias(layer)
-    np.testing.assert_array_equal(parallel.out, local.out)
-    np.testing.assert_array_equal(parallel.result[0], local.result[0])
+    np.testing.assert_array_equal(parallel.out, local.out, err_msg="out")
+    np.testing.assert_array_equal(parallel.result[0], local.result[0], err_msg="dx")
     assert parallel.result[1].keys() == local.result[1].keys()
     for name, grad in local.result[1].items():
         np.testing.assert_array_equal(parallel.result[1][name], grad, err_msg=name)

@@ -3,6 +3,7 @@ import mindspore as ms
 from mindspore import ops
 
 from .. import _compat, ops as moe_ops
+from ._precision import SelfCastingCell
 
 def count(index, bins):
     """How often each of 0..bins-1 occurs in the int32 tensor index (any shape, also empty):
@@ -41,4 +42,24 @@ def reshape(x, shape):
 def project(x, weight):
     """x [T, H] @ weight[O, H].T -> [T, O] as one group of grouped_matmul: MindSpore's MatMul
     backward refuses zero tokens in a dynamic-shape graph, this package's kernels take them."""
-    return moe_ops.grouped_matmul(x, weight.expand_dims(0), rows_of(x), transpose_weight=True)
+    return moe_ops.grouped_matmul(x, weight.reshape((1,) + weight.shape), rows_of(x),
+                                  transpose_weight=True)
+
+
+class Fork(SelfCastingCell):
+    """construct(x) -> (x, x, ...) n times; the n gradients add up in this order, ((d0 + d1) + d2)
+    + ...: GRAPH mode sums the gradients of a tensor's consumers in an order of its own, which
+    differs between graphs of the same maths (the local and the expert-parallel layer)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def construct(self, x):
+        return (x,) * self.n
+
+    def bprop(self, x, out, dout):
+        total = dout[0]
+        for d in dout[1:]:
+            total = total + d
+        return (total,)

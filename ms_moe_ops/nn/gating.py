@@ -18,6 +18,8 @@ from .losses import AuxLossScaler, balance_probs, router_z_loss, sequence_aux_lo
 __all__ = ["GatingTopK"]
 
 _SCORE_FUNCS = {"sigmoid": 1, "softmax": 0}
+# the primitives: ops.assign and ops.assign_add are deprecated (MindSpore 2.10)
+_ASSIGN, _ASSIGN_ADD = ops.Assign(), ops.AssignAdd()
 
 
 class GatingTopK(SelfCastingCell):
@@ -118,11 +120,11 @@ class GatingTopK(SelfCastingCell):
         if self.count_reducer is not None:
             load = self.count_reducer(load)  # every rank's tokens; the losses keep this rank's
         # depend: keeps the count update in the graph even when expert_idx is unused
-        weights = ops.depend(weights, ops.assign_add(self.tokens_per_expert, load))
+        weights = ops.depend(weights, _ASSIGN_ADD(self.tokens_per_expert, load))
         if self.loss_scaler is not None:
             losses = self._losses(logits, scores, expert_idx, counts, sequences)
             weights = self.loss_scaler(weights, losses)
-            weights = ops.depend(weights, ops.assign(self.aux_losses, ops.stop_gradient(losses)))
+            weights = ops.depend(weights, _ASSIGN(self.aux_losses, ops.stop_gradient(losses)))
         return weights, expert_idx
 
     def _losses(self, logits, scores, expert_idx, counts, sequences):

@@ -7,7 +7,7 @@ import mindspore as ms
 from mindspore import Parameter, ops
 from mindspore.common.initializer import Uniform, initializer
 
-from ._backend import reshape, project, rows_of
+from ._backend import Fork, project, reshape, rows_of
 from ._checks import TOKENS, checked, config_of, int_arg
 from ._precision import SelfCastingCell, register_opaque_to_rewrite
 from .config import MoEConfig, SharedExpertsConfig
@@ -53,9 +53,10 @@ class SharedExperts(SelfCastingCell):
     def construct(self, x):
         checked("SharedExperts", "x", x, ("[T, {}]",), self.hidden_size)
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
-        # [1, H, 2F] in float32 first: the CPU backend has no bfloat16 ExpandDims
-        w1 = self.weight1.astype(ms.float32).expand_dims(0).astype(dtype)
-        w2 = self.weight2.astype(ms.float32).expand_dims(0).astype(dtype)
+        # one group: [1, H, 2F] and [1, F, H], reshaped in float32 (the CPU backend has no
+        # bfloat16 Reshape in GRAPH mode)
+        w1 = self.weight1.astype(ms.float32).reshape((1,) + self.weight1.shape).astype(dtype)
+        w2 = self.weight2.astype(ms.float32).reshape((1,) + self.weight2.shape).astype(dtype)
         # x once, in float32: with the gate its two gradients add up in float32 (no bfloat16 AddN)
         x = x.astype(ms.float32)
         y = swiglu_experts(x.astype(dtype), rows_of(x), w1, None, w2, None, "swiglu", 0.0, True)
@@ -154,6 +155,8 @@ class MoELayer(SelfCastingCell):
         self.experts = MoeFFN(config.experts(self.dispatcher.local_experts, self.dispatcher.padded))
         shared = config.shared_experts()
         self.shared_experts = None if shared is None else SharedExperts(shared)
+        # the tokens go to the router, the dispatcher and the shared experts
+        self.fork = Fork(2 if shared is None else 3)
 
     @classmethod
     def from_config(cls, config, expert_parallel=None):
@@ -169,15 +172,15 @@ class MoELayer(SelfCastingCell):
         width = checked("MoELayer", "hidden", hidden, TOKENS, self.hidden_size)
         shape = hidden.shape
         dtype = hidden.dtype if self.compute_dtype is None else self.compute_dtype
-        # x is used once, in float32: the gradients of its three consumers then add up in float32
-        # (MindSpore's CPU backend has no bfloat16 AddN)
-        x = hidden.astype(ms.float32).reshape(-1, width)
+        # the tokens in float32, once: the gradients of their consumers add up in float32 (the
+        # CPU backend has no bfloat16 AddN), in one order on every path (Fork)
+        tokens = self.fork(hidden.astype(ms.float32).reshape(-1, width))
         # the router sees the sequences ([B, S, H]) for its sequence-wise loss
-        weights, expert_idx = self.router(x.reshape(shape))
-        rows, counts, route = self.dispatcher.dispatch(x.astype(dtype), expert_idx)
+        weights, expert_idx = self.router(tokens[0].reshape(shape))
+        rows, counts, route = self.dispatcher.dispatch(tokens[1].astype(dtype), expert_idx)
         out = self.dispatcher.combine(self.experts(rows, counts), weights, route)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x.astype(dtype))
+            out = out + self.shared_experts(tokens[2].astype(dtype))
         return reshape(out, shape)
 
 

@@ -12,6 +12,7 @@ from mindspore import ops
 
 from ..nn._precision import SelfCastingCell
 from ..nn.dispatcher import LocalDispatcher
+from ..ops._indexing import take_rows
 from .exchange import AllReduceExchange, AlltoAllVExchange, inverse_index, transpose_chunks_index
 
 __all__ = ["ExpertDispatcher", "OneRankExchange"]
@@ -68,13 +69,13 @@ class ExpertDispatcher(SelfCastingCell):
         received = self.exchange.dispatch(self._carried(permuted), plan)  # by source rank
         # (source, expert) chunks -> (expert, source): each local expert's rows together
         order = transpose_chunks_index(mine, received.shape[0])
-        rows = ops.gather(self._with_zero_row(received), order, 0)
+        rows = take_rows(self._with_zero_row(received), order)
         return rows.astype(dtype), mine.sum(0), (position, plan, order)
 
     def combine(self, y, weights, route):
         position, plan, order = route
         dtype = y.dtype
-        by_source = ops.gather(self._with_zero_row(self._carried(y)), inverse_index(order), 0)
+        by_source = take_rows(self._with_zero_row(self._carried(y)), inverse_index(order))
         back = self.exchange.combine(by_source, plan)
         return self.local.combine(back.astype(dtype), weights, position)
 
