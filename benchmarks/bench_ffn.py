@@ -153,6 +153,7 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--int8", action="store_true", help="also time the int8 inference path")
     p.add_argument("--no-backward", action="store_true")
+    common.add_record_arguments(p)
     a = p.parse_args()
     m, h, f, e = a.m, a.h, a.f, a.e
     rng = np.random.default_rng(0)
@@ -180,6 +181,9 @@ def main():
         if "numpy per expert (matmul only)" in times:
             share = times["numpy per expert (matmul only)"] / times["moe_ffn (ours)"]
             print(f"    goal: ours at 0.9 or more of numpy's matmul GFLOP/s -> {share:.2f}")
+            common.record_goal(a, f"ffn-numpy-{name}", fwd_flops / times["moe_ffn (ours)"] / 1e9,
+                               fwd_flops / times["numpy per expert (matmul only)"] / 1e9,
+                               "GFLOP/s", share)
         if a.int8:
             sec = int8_forward(m, h, f, counts, a.runs)
             if sec is not None:

@@ -14,7 +14,7 @@ from mindspore import Tensor, nn, ops
 
 from ms_moe_ops import moe_gating_top_k
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cores, timed_together  # noqa: E402
+from common import add_record_arguments, cores, record_goal, timed_together  # noqa: E402
 
 
 class Ours(nn.Cell):
@@ -95,6 +95,7 @@ def main():
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--top-groups", type=int, default=4)
     p.add_argument("--repeat", type=int, default=7)
+    add_record_arguments(p)
     a = p.parse_args()
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     import torch  # pylint: disable=import-outside-toplevel
@@ -128,6 +129,9 @@ def main():
     for name, sec in times.items():
         ratio = "" if name == ours_name else f"ms_moe_ops is {sec / times[ours_name]:5.2f}x as fast"
         print(f"  {name:<34} {sec * 1e3:9.2f} ms  {ratio}")
+    torch_s = times["torch autograd"]
+    record_goal(a, "router-torch", times[ours_name] * 1e3, torch_s * 1e3, "ms",
+                torch_s / times[ours_name])
 
 
 if __name__ == "__main__":

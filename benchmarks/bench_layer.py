@@ -31,7 +31,7 @@ from ms_moe_ops import MoELayer
 from ms_moe_ops.nn.families import convert_deepseek_v3_moe, moe_config_from_transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cores, timed_together  # noqa: E402
+from common import add_record_arguments, cores, record_goal, timed_together  # noqa: E402
 
 
 class ComposedMoE(nn.Cell):
@@ -248,6 +248,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--composed", action="store_true", help="also the MindSpore-ops composition")
     ap.add_argument("--pynative", action="store_true", help="also MoELayer in PyNative mode")
+    add_record_arguments(ap)
     args = ap.parse_args()
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -311,8 +312,12 @@ def main():
     rows = timed_together(train, args.repeats)
     print_table("forward + backward", rows, train_flops, ours_name)
     blas = min(rows[name] for name in blas_names)  # the faster BLAS run is the reference
-    print(f"\ngoals: forward+backward {rows['transformers DeepseekV3MoE (torch)'] / rows[ours_name]:.2f}x "
+    theirs = rows["transformers DeepseekV3MoE (torch)"]
+    print(f"\ngoals: forward+backward {theirs / rows[ours_name]:.2f}x "
           f"transformers (>= 2.5x); {blas / rows[ours_name]:.0%} of the bare-BLAS GFLOP/s (>= 60%)")
+    record_goal(args, "layer-transformers", rows[ours_name] * 1e3, theirs * 1e3, "ms",
+                theirs / rows[ours_name])
+    record_goal(args, "layer-sgemm", rows[ours_name] * 1e3, blas * 1e3, "ms", blas / rows[ours_name])
 
 
 def _no_grad(torch, block, x):

@@ -16,7 +16,7 @@ from mindspore import nn, ops
 
 from ms_moe_ops.ops import swiglu_group_quant_grad
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
-from common import timed_together
+from common import add_record_arguments, record_goal, timed_together
 
 CLAMP = 7.0
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -99,7 +99,7 @@ def copier(nbytes):
 COPY = "np.copyto, same bytes"
 
 
-def report(name, nbytes, times):
+def report(name, nbytes, times, args=None, dtype=None):
     ours = times["ms_moe_ops"]
     gbs = lambda sec: nbytes / sec / 1e9
     print(f"  {name}: {nbytes / 2**20:.0f} MiB moved (median of rounds, contenders in turns)")
@@ -107,6 +107,9 @@ def report(name, nbytes, times):
         ratio = "" if label == "ms_moe_ops" else f"ms_moe_ops is {sec / ours:5.2f}x as fast"
         print(f"    {label:<22} {sec * 1e3:9.1f} ms {gbs(sec):7.1f} GB/s  {ratio}")
     print(f"    ms_moe_ops reaches {times[COPY] / ours:.0%} of the copy bandwidth")
+    if args is not None:
+        record_goal(args, f"swiglu-{name}-{dtype}", ours * 1e3, times[COPY] * 1e3, "ms",
+                    times[COPY] / ours)
 
 
 def main():
@@ -115,6 +118,7 @@ def main():
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--repeat", type=int, default=7)
+    add_record_arguments(p)
     args = p.parse_args()
     ms.set_context(device_target="CPU")
     t, h = args.tokens, args.hidden
@@ -150,7 +154,7 @@ def main():
             contenders = [("ms_moe_ops", ours), ("MindSpore composed", composed), (COPY, copier(nbytes))]
             if dtype == "float32":
                 contenders.append(("numpy", numpy_fn))
-            report(name, nbytes, timed_together(contenders, args.repeat))
+            report(name, nbytes, timed_together(contenders, args.repeat), args, dtype)
         ms.set_context(mode=ms.PYNATIVE_MODE)
 
 

@@ -1,0 +1,59 @@
+"""The documents hold: the README's quick start runs as written, every performance table is the
+one its CSV makes (tools/bench_tables.py), and the links between the documents resolve."""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _read(name):
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_quick_start_runs(capsys):
+    readme = _read("README.md")
+    code = re.search(r"## Quick start\n\n```python\n(.*?)```", readme, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 12
+    exec(compile(code, "README.md quick start", "exec"), {})  # pylint: disable=exec-used
+    printed = capsys.readouterr().out
+    assert "[" in printed  # the loss and the layer's imbalance
+
+
+def test_performance_tables_are_made_from_their_csvs():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_tables.py"),
+                           "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "<!-- table: goals -->" in _read("README.md")
+    assert "<!-- table: scaling -->" in _read("benchmarks/README.md")
+
+
+def test_tables_follow_the_data(tmp_path, monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import bench_tables
+    finally:
+        sys.path.pop(0)
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "goals.csv").write_text("goal,run,ours,other,unit,ratio\n"
+                                       "router-torch,quiet,20.5,82,ms,4.0\n"
+                                       "router-torch,busy,,,ms,3.5\n")
+    monkeypatch.setattr(bench_tables, "ROOT", str(tmp_path))
+    table = bench_tables.goals_table()
+    assert "| quiet ratio | busy ratio |" in table
+    assert "| 20.5 ms / 82 ms | 4.00x faster | 3.50x faster | 4x |" in table
+    text = "a\n<!-- table: goals -->\nold\n<!-- /table -->\nb"
+    assert bench_tables.regenerate(text) == f"a\n<!-- table: goals -->\n{table}\n<!-- /table -->\nb"
+
+
+def test_links_between_documents_resolve():
+    broken = []
+    for name in ["README.md", "tests/README.md", "benchmarks/README.md", "CHANGELOG.md"] + [
+            os.path.join("docs", d) for d in os.listdir(os.path.join(ROOT, "docs"))]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", _read(name)):
+            if not os.path.exists(os.path.join(ROOT, os.path.dirname(name), target)):
+                broken.append(f"{name} -> {target}")
+    assert not broken, broken
