@@ -190,6 +190,24 @@ def test_bias_update_moves_load_toward_balance(mode):
     assert max(imbalance[-5:]) < 2.0, imbalance
 
 
+def test_load_imbalance_after_the_update_reports_the_step(mode):
+    """The natural order, update_expert_bias then load_imbalance, reports the load of the step
+    that drove the update (it reported 1.0 always: the update resets the counts)."""
+    layer = make_layer(e=4, k=1)
+    layer.router.expert_bias.set_data(Tensor(np.array([3, 0, 0, 0], np.float32)))
+    run(layer, tensor(inputs((8, 8)).astype(np.float32)), mode=mode)  # every token on expert 0
+    before = ms_moe_ops.load_imbalance(layer)
+    load = update_expert_bias(layer)
+    np.testing.assert_array_equal(load, [[8, 0, 0, 0]])
+    assert before == load_imbalance(layer) == load_imbalance(load) == [4.0]
+    np.testing.assert_array_equal(ms_moe_ops.expert_load(layer), load)
+    assert layer.router.load().sum() == 0  # the counts start again
+    run(layer, tensor(inputs((8, 8), seed=2).astype(np.float32)), mode=mode)
+    np.testing.assert_array_equal(ms_moe_ops.expert_load(layer), [layer.router.load()])
+    ms_moe_ops.reset_expert_load(layer)  # forgets both
+    assert load_imbalance(layer) == [1.0] and not ms_moe_ops.expert_load(layer).any()
+
+
 def test_train_one_step_cell_decreases_loss(mode):
     layer = make_layer(h=8, f=8, e=4, k=2, shared=1)
     rng = np.random.default_rng(7)
