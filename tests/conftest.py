@@ -65,6 +65,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "every_isa: run under every instruction-set path of the CPU "
                                        "kernels (GRAPH-mode cases on the best path only)")
     config.addinivalue_line("markers", "best_isa_only: exempt a test of an every_isa module")
+    config.addinivalue_line("markers", "slow_in_graph: the GRAPH-mode cases of this test are slow "
+                                       "(several compilations): they carry the slow marker")
     for name, what in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
 
@@ -294,15 +296,22 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("isa", isa_paths(), indirect=True)
 
 
+def _params(item):
+    spec = getattr(item, "callspec", None)
+    return spec.params if spec else {}
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _params(item).get("mode") == "graph" and item.get_closest_marker("slow_in_graph"):
+            item.add_marker(pytest.mark.slow)
     if DEVICE != "CPU":
         return
     best = isa_paths()[-1]
     keep, drop = [], []
     for item in items:
-        params = getattr(item, "callspec", None)
-        params = params.params if params else {}
+        params = _params(item)
         lower = params.get("isa", best) != best
         if lower:  # the sweep over the lower paths: the full run's
             item.add_marker(pytest.mark.slow)
