@@ -101,7 +101,8 @@ def test_round_trip_half_precision(family, layout, dtype, tmp_path, rng):
 
 def test_trained_model_exports_to_transformers(tmp_path, rng):
     """A model whose weights changed after conversion (the selection bias moved, one expert
-    scaled) exports, without a reference, in both layouts and as float32 or bfloat16, to
+    scaled) exports, without a reference, from the Cell or its parameters under a training
+    wrapper's names, in both layouts and as float32 or bfloat16, to
     checkpoints transformers loads and computes our logits with (for bfloat16, from weights
     already rounded to bfloat16, so that both sides hold the same values)."""
     model = hf_model("deepseek_v3", rng)
@@ -118,7 +119,9 @@ def test_trained_model_exports_to_transformers(tmp_path, rng):
                 p.set_data(ms_tensor(torch.from_numpy(p.asnumpy()).bfloat16().float().numpy()))
         ours = net(ms_tensor(ids, np.int32)).asnumpy()
         out = tmp_path / f"hf-{layout}"
-        export_checkpoint(net, out, config=tmp_path / "ms" / "config.json", layout=layout,
+        # names as a training wrapper leaves them (TrainOneStepCell(CausalLMLoss(net)))
+        params = {"net." + k: v for k, v in net.parameters_and_names()} if layout == "fused" else net
+        export_checkpoint(params, out, config=tmp_path / "ms" / "config.json", layout=layout,
                           dtype=dtype)
         files = TensorFiles(out)
         assert ("model.layers.1.mlp.experts.gate_up_proj" in files.names) == (layout == "fused")

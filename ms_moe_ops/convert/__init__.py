@@ -381,22 +381,32 @@ def _block_exporter(source, ours, prefix, family, layout, inputs):
 
 
 def _parameters(params):
-    """{name: (shape, read() -> float32 numpy)} of a Cell, a dict or a checkpoint path."""
+    """{name: (shape, read() -> float32 numpy)} of a Cell, a dict or a checkpoint path. Names
+    may carry the prefix of the Cells that wrapped the model in training (a checkpoint that
+    `ms.save_checkpoint` wrote after TrainOneStepCell(CausalLMLoss(net)) says
+    `net.model.embed_tokens.weight`): it is taken off."""
     if isinstance(params, (str, os.PathLike)):
         files = TensorFiles(params)
-        return {n: (files.shape(n), lambda n=n: files.read(n)) for n in files.names}
-    if hasattr(params, "parameters_and_names"):
-        params = dict(params.parameters_and_names())
-    if not isinstance(params, dict):
-        raise TypeError(f"export_checkpoint: params must be a Cell, a dict or a path, got "
-                        f"{type(params).__name__}")
+        found = {n: (files.shape(n), lambda n=n: files.read(n)) for n in files.names}
+    else:
+        if hasattr(params, "parameters_and_names"):
+            params = dict(params.parameters_and_names())
+        if not isinstance(params, dict):
+            raise TypeError(f"export_checkpoint: params must be a Cell, a dict or a path, got "
+                            f"{type(params).__name__}")
 
-    def reader(value):
-        def read():
-            array = value.asnumpy() if hasattr(value, "asnumpy") else np.asarray(value)
-            return array.astype(np.float32, copy=False)
-        return read
-    return {name: (tuple(value.shape), reader(value)) for name, value in params.items()}
+        def reader(value):
+            def read():
+                array = value.asnumpy() if hasattr(value, "asnumpy") else np.asarray(value)
+                return array.astype(np.float32, copy=False)
+            return read
+        found = {name: (tuple(value.shape), reader(value)) for name, value in params.items()}
+    anchor = "model.embed_tokens.weight"
+    if anchor not in found:
+        prefixes = [n[:-len(anchor)] for n in found if n.endswith("." + anchor)]
+        if len(prefixes) == 1:
+            found = {n[len(prefixes[0]):]: v for n, v in found.items() if n.startswith(prefixes[0])}
+    return found
 
 
 # -- MindSpore side -----------------------------------------------------------------------------
