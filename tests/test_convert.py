@@ -202,7 +202,7 @@ BROKEN = {
                                         lambda s: s.update({"model.layers.0.self_attn.q_proj.weight":
                                                             torch.zeros(32, 30)})),
                     ValueError, ["model.layers.0.self_attn.q_proj.weight", "[32, 30]", "[32, 32]",
-                                 ".safetensors"]),
+                                 "the configuration makes it"]),
     "wrong expert shape": (lambda src: rewrite(
         shard_of(src, "model.layers.1.mlp.experts.3.down_proj.weight"),
         lambda s: s.update({"model.layers.1.mlp.experts.3.down_proj.weight": torch.zeros(32, 8)})),
@@ -216,7 +216,8 @@ BROKEN = {
     "unknown tensor in a MoE block": (lambda src: rewrite(shard_of(src, "model.norm.weight"),
                                                           lambda s: s.update(
         {"model.layers.2.mlp.experts.0.extra.weight": torch.zeros(4)})),
-        ValueError, ["model.layers.2.mlp.experts.0.extra.weight", "no rule converts it"]),
+        ValueError, ["model.layers.2.mlp.experts.0.extra.weight", "MoE block",
+                     "no rule converts it"]),
     "missing tensor": (lambda src: drop(src, "model.norm.weight"),
                        ValueError, ["model.norm.weight", "missing"]),
     "missing expert": (lambda src: drop(src, "model.layers.1.mlp.experts.2.up_proj.weight"),
@@ -239,7 +240,7 @@ def test_bad_input_is_a_clear_error_and_writes_nothing(case, tmp_path, rng):
         convert_checkpoint(src, tmp_path / "ms")
     message = str(info.value)
     print(f"{case}: {type(info.value).__name__}: {message}")
-    for word in words:
+    for word in words + [str(src)]:  # the source's file or directory
         assert word in message, (word, message)
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
