@@ -29,6 +29,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cores, timed_together  # noqa: E402
 
+# the kernels' OpenMP threads, as the process started (MindSpore sets it to 1 once imported)
+KERNEL_THREADS = os.environ.get("OMP_NUM_THREADS", "every core")
+
 
 def hf_config(a):
     import transformers
@@ -62,6 +65,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's threads (default: every core); give the kernels as many with "
+                        "OMP_NUM_THREADS=N on the command line")
     p.add_argument("--pynative", action="store_true", help="also MoECausalLM in PyNative mode")
     a = p.parse_args(argv)
 
@@ -75,7 +81,8 @@ def main(argv=None):
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
-    torch.set_num_threads(cores())  # MindSpore set OMP_NUM_THREADS=1 when it was imported
+    threads = a.threads or cores()
+    torch.set_num_threads(threads)  # MindSpore set OMP_NUM_THREADS=1 when it was imported
     torch.manual_seed(0)
     work = tempfile.mkdtemp(prefix="bench_model-")
     try:
@@ -105,7 +112,8 @@ def main(argv=None):
     tokens = a.batch * a.seq_len
     print(f"{a.family}: {a.layers} layers (first dense), H={a.hidden}, {a.experts} experts of "
           f"{a.ffn} (top-{a.top_k}), vocab {a.vocab}; {params / 1e6:.1f}M parameters; batch "
-          f"{a.batch} x {a.seq_len} tokens; float32, {cores()} cores")
+          f"{a.batch} x {a.seq_len} tokens; float32, {cores()} cores, torch on {threads} "
+          f"thread(s), the kernels on {KERNEL_THREADS}")
     print(f"max relative logit error against transformers: {error:.1e}")
 
     lr = 1e-4

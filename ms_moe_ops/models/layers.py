@@ -25,9 +25,12 @@ class RMSNorm(nn.Cell):
 
     def construct(self, x):
         dtype = x.dtype
-        x = x.astype(ms.float32)
+        if dtype != ms.float32:  # (a cast to the same dtype is a copy in the graph)
+            x = x.astype(ms.float32)
         x = x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps)
-        return self.weight * x.astype(dtype)
+        if dtype != ms.float32:
+            x = x.astype(dtype)
+        return self.weight * x
 
 
 class Embedding(nn.Cell):
@@ -91,6 +94,8 @@ def causal_mask(length, window=None):
 def attend(q, k, v, mask, scaling):
     """softmax(q k^T * scaling + mask) v over [B, heads, S, d]."""
     scores = ops.matmul(q, k.swapaxes(-1, -2)) * scaling + mask
+    if scores.dtype == ms.float32:
+        return ops.matmul(ops.softmax(scores, -1), v)
     return ops.matmul(ops.softmax(scores.astype(ms.float32), -1).astype(v.dtype), v)
 
 
