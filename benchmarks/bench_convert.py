@@ -175,10 +175,12 @@ def measure(a, workdir, repeat=3, show=print):
     ratio = times["ms_moe_ops convert_checkpoint"] / times["safetensors load_file"]
     show(f"\nconvert_checkpoint takes {ratio:.2f}x the time of safetensors' load_file of the "
          f"same shards (and writes {2 if a.dtype == 'bfloat16' else 1}x the bytes, as float32)")
+    block32 = block * 4 // (2 if a.dtype == "bfloat16" else 4)
     show(f"peak RSS above the start: convert_checkpoint {peak_convert / 2**20:.1f} MiB "
-         f"({peak_convert / total:.2f}x the checkpoint, {peak_convert / block:.2f}x its largest "
-         f"block); load_file of one shard after another {peak_load / 2**20:.1f} MiB")
-    return {"total": total, "block": block, "times": times, "peak_convert": peak_convert,
+         f"({peak_convert / total:.2f}x the checkpoint, {peak_convert / block32:.2f}x its largest "
+         f"block as float32); load_file of one shard after another {peak_load / 2**20:.1f} MiB")
+    return {"total": total, "block": block, "block32": block32, "times": times,
+            "peak_convert": peak_convert,
             "peak_load": peak_load}
 
 

@@ -110,8 +110,9 @@ def main(argv=None):
     error = np.abs(net(ids_ms).asnumpy() - reference).max() / np.abs(reference).max()
     params = sum(int(np.prod(q.shape)) for q in net.trainable_params())
     tokens = a.batch * a.seq_len
-    print(f"{a.family}: {a.layers} layers (first dense), H={a.hidden}, {a.experts} experts of "
-          f"{a.ffn} (top-{a.top_k}), vocab {a.vocab}; {params / 1e6:.1f}M parameters; batch "
+    print(f"{a.family}: {a.layers} layers ({len(net.config.moe_layers)} MoE), H={a.hidden}, "
+          f"{a.experts} experts of {a.ffn} (top-{a.top_k}), vocab {a.vocab}; "
+          f"{params / 1e6:.1f}M parameters; batch "
           f"{a.batch} x {a.seq_len} tokens; float32, {cores()} cores, torch on {threads} "
           f"thread(s), the kernels on {KERNEL_THREADS}")
     print(f"max relative logit error against transformers: {error:.1e}")
