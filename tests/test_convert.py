@@ -293,6 +293,8 @@ def test_export_and_load_errors(tmp_path, rng):
         {**model.config.to_dict(), "num_hidden_layers": 2}))
     with pytest.raises(ValueError, match=r"'model\.layers\.2\..*' is not a parameter"):
         load_checkpoint(str(tmp_path / "ms"), other)
+    with pytest.raises(ValueError, match="ms_moe_ops.convert converts it"):
+        MoECausalLM.from_pretrained(str(tmp_path / "hf"))
 
 
 def test_bfloat16_rounding_is_to_nearest_even():
@@ -311,7 +313,8 @@ def test_bfloat16_rounding_is_to_nearest_even():
 
 # -- streaming ------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc")
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                    reason="needs Linux's /proc/self/clear_refs to reset the peak RSS")
 def test_peak_memory_grows_with_the_largest_block_not_the_model(tmp_path):
     """benchmarks/bench_convert.py on a checkpoint of 12 layers: the resident memory the
     conversion adds stays under 3 float32 copies of its largest block plus 24 MiB, well under

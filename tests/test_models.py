@@ -156,6 +156,24 @@ def test_training_step_matches_transformers(tmp_path, rng):
                                rtol=1e-4, atol=1e-6)
 
 
+def test_config_json_of_older_transformers():
+    """config.json as the Hub's DeepSeek-V3 has it (rope_theta and rope_scaling with "type",
+    num_experts instead of num_local_experts for Qwen3-MoE) reads as transformers 5's form."""
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+            "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+    new = hf_config("deepseek_v3", rope_parameters={"rope_type": "yarn", "rope_theta": 5e4,
+                                                    **yarn}).to_dict()
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old.update(rope_theta=5e4, rope_scaling={"type": "yarn", **yarn})
+    config = CausalLMConfig.from_transformers(old)
+    assert config == CausalLMConfig.from_transformers(new)
+    assert config.rope.kind == "yarn" and config.rope.theta == 5e4
+    assert config.attention.scaling != (8 ** -0.5)  # YaRN's mscale_all_dim
+    qwen = hf_config("qwen3_moe").to_dict()
+    qwen["num_experts"] = qwen.pop("num_local_experts")
+    assert CausalLMConfig.from_transformers(qwen).moe.num_experts == 8
+
+
 def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="model_type must be one of"):
         CausalLMConfig.from_transformers({"model_type": "llama"})

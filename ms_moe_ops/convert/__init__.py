@@ -32,6 +32,7 @@ import shutil
 import tempfile
 
 import numpy as np
+import mindspore as ms
 
 from ..models.config import CausalLMConfig
 from ..nn.families import convert_moe_checkpoint
@@ -127,10 +128,12 @@ class TensorFiles:
 
 class _Unit:
     """One step of a conversion: run() reads `sources` (nbytes in all) and returns `outputs`
-    {name: array of the planned shape}."""
+    {name: array of the planned shape}; `places` {output: source tensor} says which source
+    file each output goes to when the output is sharded like the source."""
 
-    def __init__(self, sources, outputs, run, nbytes):
+    def __init__(self, sources, outputs, run, nbytes, places=None):
         self.sources, self.outputs, self.run, self.nbytes = sources, outputs, run, nbytes
+        self.places = places
 
 
 # -- transformers -> MindSpore ---------------------------------------------------------------------
@@ -144,18 +147,16 @@ def convert_checkpoint(src, dst, overwrite=False, progress=False):
     Errors name the file and the tensor: a missing shard, a tensor of the wrong shape or dtype,
     one no rule converts, one the model needs but the checkpoint lacks, an unknown model_type.
     dst must not exist, unless overwrite (a directory, replaced once the new one is complete)."""
-    source = TensorFiles(src)
     if not os.path.isdir(src):
         raise ValueError(f"{src}: convert_checkpoint reads a checkpoint directory (config.json "
                          f"beside the safetensors files)")
+    source = TensorFiles(src)
     config = CausalLMConfig.from_transformers(src)
     units, layouts, skipped = _plan_conversion(source, config)
-    # each output tensor goes to the file of its first source tensor (the router's for a bias
-    # the family does not have)
     files = {}
     for unit in units:
         for name, shape in unit.outputs.items():
-            files.setdefault(source.where[unit.sources_of[name]], []).append((name, "F32", shape))
+            files.setdefault(source.where[unit.places[name]], []).append((name, "F32", shape))
     record = {"format": "ms_moe_ops.convert", "version": 1, "family": config.family,
               "blocks": layouts, "skipped": skipped,
               "source": {"weight_map": dict(source.where),
@@ -176,16 +177,23 @@ def _plan_conversion(source, config):
     shapes = config.parameter_shapes()
     family = config.family
     units, layouts, claimed = [], {}, set()
+    by_layer = {}
+    for name in source.names:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer:
+            by_layer.setdefault(int(layer.group(1)), []).append(name)
     for layer in config.moe_layers:
         ours = f"model.layers.{layer}.mlp."
-        found = [p for p in block_prefixes(family, layer)
-                 if any(n.startswith(p) for n in source.names)]
-        if len(found) != 1:
-            raise ValueError(f"{source.path}: " + (
-                f"no tensors of layer {layer}'s MoE block ({' or '.join(block_prefixes(family, layer))}*)"
-                if not found else f"layer {layer}'s MoE block under both {found[0]} and {found[1]}"))
+        prefixes = block_prefixes(family, layer)
+        found = [p for p in prefixes if any(n.startswith(p) for n in by_layer.get(layer, ()))]
+        if not found:
+            raise ValueError(f"{source.path}: no tensors of layer {layer}'s MoE block "
+                             f"({' or '.join(prefixes)}*)")
+        if len(found) > 1:
+            raise ValueError(f"{source.path}: layer {layer}'s MoE block is under both "
+                             f"{found[0]} and {found[1]}")
         prefix = found[0]
-        present = {n[len(prefix):] for n in source.names if n.startswith(prefix)}
+        present = {n[len(prefix):] for n in by_layer[layer] if n.startswith(prefix)}
         layout = "fused" if "experts.gate_up_proj" in present else "per-expert"
         wanted = block_tensors(config.moe, family, layout)
         expected = {rel: shape for _, tensors in wanted for rel, shape in tensors}
@@ -199,14 +207,13 @@ def _plan_conversion(source, config):
             _check_tensor(source, prefix + rel, shape)
         outputs = {ours + k: shapes[ours + k] for k, _ in wanted}
         names = [prefix + rel for rel in expected]
-        unit = _Unit(names, outputs, _block_converter(source, wanted, prefix, ours, family,
-                                                      layout, outputs),
-                     sum(source.nbytes(n) for n in names))
-        router = prefix + "gate.weight"
-        unit.sources_of = {ours + k: prefix + tensors[0][0] if tensors else router
-                           for k, tensors in wanted}
-        units.append(unit)
-        claimed.update(unit.sources)
+        # each output in the file of its first source (a missing bias in the router's)
+        places = {ours + k: prefix + (tensors[0][0] if tensors else "gate.weight")
+                  for k, tensors in wanted}
+        units.append(_Unit(names, outputs, _block_converter(source, wanted, prefix, ours, family,
+                                                            layout, outputs),
+                           sum(source.nbytes(n) for n in names), places))
+        claimed.update(names)
         layouts[ours] = {"prefix": prefix, "layout": layout}
     skipped = []
     for name in source.names:
@@ -219,12 +226,12 @@ def _plan_conversion(source, config):
             continue
         if name not in shapes:
             raise ValueError(f"{source.file(name)}: tensor '{name}' is not a parameter of the "
-                             f"{family} model of {source.path}/config.json and no rule converts it")
+                             f"{family} model of {source.path}/config.json and no rule converts "
+                             f"it")
         _check_tensor(source, name, shapes[name])
-        unit = _Unit([name], {name: shapes[name]}, lambda name=name: {name: source.read(name)},
-                     source.nbytes(name))
-        unit.sources_of = {name: name}
-        units.append(unit)
+        units.append(_Unit([name], {name: shapes[name]},
+                           lambda name=name: {name: source.read(name)}, source.nbytes(name),
+                           {name: name}))
         claimed.add(name)
     produced = {n for u in units for n in u.outputs}
     for name in shapes:
@@ -418,8 +425,6 @@ def load_checkpoint(path, net=None):
     statistics (router.tokens_per_expert, router.aux_losses) must be in the checkpoint, and
     every tensor of the checkpoint must be a parameter of the same shape. Without a net: the
     dict of all parameters."""
-    import mindspore as ms  # pylint: disable=import-outside-toplevel
-
     files = TensorFiles(path)
     if net is None:
         params = {}
@@ -429,8 +434,10 @@ def load_checkpoint(path, net=None):
     wanted = dict(net.parameters_and_names())
     for name in files.names:
         if name not in wanted:
+            hint = (" (a transformers checkpoint? python -m ms_moe_ops.convert converts it)"
+                    if not os.path.isfile(os.path.join(files.dir, RECORD)) else "")
             raise ValueError(f"{files.file(name)}: tensor '{name}' is not a parameter of the "
-                             f"model")
+                             f"model{hint}")
         if tuple(files.shape(name)) != tuple(wanted[name].shape):
             raise ValueError(f"{files.file(name)}: tensor '{name}' is {list(files.shape(name))}, "
                              f"the model's parameter is {list(wanted[name].shape)}")
@@ -483,7 +490,7 @@ def _write(tmp, files, units, metadata, progress):
 def _progress_bar(progress, total):
     if not progress:
         return None
-    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    from tqdm import tqdm  # only for the bar
 
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True)
 

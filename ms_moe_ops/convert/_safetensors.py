@@ -14,6 +14,7 @@ import os
 import struct
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 __all__ = ["SafetensorsFile", "SafetensorsWriter", "cast", "DTYPE_BYTES"]
 
@@ -28,8 +29,6 @@ class SafetensorsFile:
     (float32), `read_raw(name)` (the stored bytes as a uint8 array)."""
 
     def __init__(self, path):
-        from safetensors import SafetensorError, safe_open  # pylint: disable=import-outside-toplevel
-
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"{self.path}: no such file")

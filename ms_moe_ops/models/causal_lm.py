@@ -69,7 +69,7 @@ class MoECausalLM(nn.Cell):
         """The model of a directory written by `ms_moe_ops.convert.convert_checkpoint` (its
         config.json and weights); moe_overrides set MoEConfig options (bias_update_rate, the
         training losses)."""
-        from ..convert import load_checkpoint  # pylint: disable=import-outside-toplevel
+        from ..convert import load_checkpoint  # here: ms_moe_ops.convert imports this package
 
         net = cls(CausalLMConfig.from_transformers(path, **moe_overrides))
         load_checkpoint(path, net)

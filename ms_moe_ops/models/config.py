@@ -97,7 +97,8 @@ class RopeConfig:
             return float(self.attention_factor)
         factor = self.scale_factor()
         if self.mscale and self.mscale_all_dim:
-            return float(_yarn_mscale(factor, self.mscale) / _yarn_mscale(factor, self.mscale_all_dim))
+            return float(_yarn_mscale(factor, self.mscale)
+                         / _yarn_mscale(factor, self.mscale_all_dim))
         return _yarn_mscale(factor)
 
     def scale_factor(self):
@@ -137,7 +138,7 @@ class CausalLMConfig:
     tie_word_embeddings: bool = False
 
     def replace(self, **changes):
-        """A copy with some fields changed (e.g. `moe=config.moe.replace(bias_update_rate=1e-3)`)."""
+        """A copy with some fields changed (`moe=config.moe.replace(bias_update_rate=1e-3)`)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -153,8 +154,8 @@ class CausalLMConfig:
             rope = _rope(c, c.qk_rope_head_dim)
             qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
             scaling = qk_head_dim ** -0.5
-            if rope.kind != "default" and c.rope_parameters.get("mscale_all_dim"):
-                scaling *= _yarn_mscale(rope.scale_factor(), c.rope_parameters["mscale_all_dim"]) ** 2
+            if rope.kind != "default" and rope.mscale_all_dim:  # YaRN's softmax scale
+                scaling *= _yarn_mscale(rope.scale_factor(), rope.mscale_all_dim) ** 2
             attention = MLAConfig(
                 heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
                 q_lora_rank=c.q_lora_rank, bias=bool(c.attention_bias),
@@ -238,7 +239,8 @@ def _attention_shapes(a, h):
     qk = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
     shapes = {"kv_a_proj_with_mqa.weight": (a.kv_lora_rank + a.qk_rope_head_dim, h),
               "kv_a_layernorm.weight": (a.kv_lora_rank,),
-              "kv_b_proj.weight": (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+              "kv_b_proj.weight": (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim),
+                                   a.kv_lora_rank),
               "o_proj.weight": (h, a.num_heads * a.v_head_dim)}
     if a.q_lora_rank is None:
         shapes["q_proj.weight"] = (qk, h)
