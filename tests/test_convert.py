@@ -99,6 +99,27 @@ def test_round_trip_half_precision(family, layout, dtype, tmp_path, rng):
     assert files_identical(src, tmp_path / "back")
 
 
+def test_export_to_the_other_layout(tmp_path, rng):
+    """With a reference and layout="fused": the experts under transformers 5's names, in the
+    files and dtype of the source's block; transformers loads the same weights as from the
+    source."""
+    model = hf_model("qwen2_moe", rng)
+    src = save(model, tmp_path / "hf", "per-expert", shards=3, dtype="bfloat16")
+    convert_checkpoint(src, tmp_path / "ms")
+    export_checkpoint(str(tmp_path / "ms"), tmp_path / "fused", reference=tmp_path / "ms",
+                      layout="fused")
+    source, fused = TensorFiles(src), TensorFiles(tmp_path / "fused")
+    name = "model.layers.2.mlp.experts.gate_up_proj"
+    assert fused.where[name] == source.where["model.layers.2.mlp.gate.weight"]
+    assert fused.dtype(name) == "BF16" and fused.files == source.files
+    assert not any(".experts.0." in n for n in fused.names)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(src).state_dict()
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fused").state_dict()
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+
+
 def test_trained_model_exports_to_transformers(tmp_path, rng):
     """A model whose weights changed after conversion (the selection bias moved, one expert
     scaled) exports, without a reference, from the Cell or its parameters under a training

@@ -338,31 +338,36 @@ def export_checkpoint(params, dst, reference=None, config=None, layout=None, dty
         if tuple(source[name][0]) != tuple(shape):
             raise ValueError(f"export_checkpoint: '{name}' is {list(source[name][0])}, the "
                              f"configuration makes it {list(shape)}")
+    recorded = (record or {}).get("source", {"weight_map": {}, "dtypes": {}})
     units = []
     for layer in cfg.moe_layers:
         ours = f"model.layers.{layer}.mlp."
-        block = (record or {}).get("blocks", {}).get(ours)
-        block_layout = block["layout"] if block else layout or "per-expert"
-        prefix = block["prefix"] if block else export_prefix(cfg.family, layer, block_layout)
+        block = (record or {}).get("blocks", {}).get(ours)  # its layout in the source
+        block_layout = layout or (block["layout"] if block else "per-expert")
+        prefix = (block["prefix"] if block and block["layout"] == block_layout
+                  else export_prefix(cfg.family, layer, block_layout))
         wanted = block_tensors(cfg.moe, cfg.family, block_layout)
         outputs = {prefix + rel: shape for _, tensors in wanted for rel, shape in tensors}
         inputs = [ours + k for k, _ in wanted]
+        # names the source did not have (another layout) go to the file of the block's router
+        router = (block or {}).get("prefix", prefix) + "gate.weight"
+        places = {name: name if name in recorded["weight_map"] else router for name in outputs}
         units.append(_Unit(inputs, outputs, _block_exporter(
-            source, ours, prefix, cfg.family, block_layout, inputs), _nbytes(shapes, inputs)))
+            source, ours, prefix, cfg.family, block_layout, inputs), _nbytes(shapes, inputs),
+            places))
     moe = {n for u in units for n in u.sources}
     for name in shapes:
         if name not in moe:
             units.append(_Unit([name], {name: shapes[name]},
                                lambda name=name: {name: source[name][1]()},
-                               _nbytes(shapes, [name])))
-    recorded = (record or {}).get("source", {})
+                               _nbytes(shapes, [name]), {name: name}))
     files = {}
     for unit in units:
         for name, shape in unit.outputs.items():
-            stored = recorded.get("dtypes", {}).get(name, DTYPES[dtype or "float32"])
-            file = recorded.get("weight_map", {}).get(name, SINGLE)
-            files.setdefault(file, []).append((name, stored if dtype is None else DTYPES[dtype],
-                                               shape))
+            origin = unit.places[name]
+            stored = DTYPES[dtype] if dtype else recorded["dtypes"].get(origin, "F32")
+            file = recorded["weight_map"].get(origin, SINGLE)
+            files.setdefault(file, []).append((name, stored, shape))
     with _staging(dst, overwrite) as tmp:
         if isinstance(config, (str, os.PathLike)):
             _copy_config(config, tmp)
