@@ -382,3 +382,17 @@ def test_command(tmp_path, rng):
     assert code == 1 and "missing shard" in err and "places '" in err, err
     code, out, err = run_command([str(src), str(tmp_path / "ms2"), "--layout", "fused"])
     assert code == 1 and "--layout is an option of --to-transformers" in err
+
+
+@pytest.mark.slow  # a fresh interpreter importing MindSpore: about 5 s
+def test_command_in_a_subprocess(tmp_path, rng):
+    import subprocess
+
+    src = save(hf_model("mixtral", rng), tmp_path / "hf")
+    run = [sys.executable, "-m", "ms_moe_ops.convert"]
+    done = subprocess.run(run + [str(src), str(tmp_path / "ms")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "wrote" in done.stdout and "100%" in done.stderr, done.stderr
+    done = subprocess.run(run + [str(src), str(tmp_path / "ms")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and done.stderr.startswith("error: ") and "exists" in done.stderr
