@@ -85,11 +85,13 @@ def check_greedy_tokens(model, net, ids, mode):
                                           "beta_fast": 32, "beta_slow": 1})),
     ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False)),
     ("qwen3_moe", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    ("qwen3_moe", dict(attention_bias=True, decoder_sparse_step=2, mlp_only_layers=[])),
     ("mixtral", dict(sliding_window=4)),
 ])
 def test_variants_match_transformers(family, options, tmp_path, rng):
     """YaRN rotary embedding with DeepSeek's softmax mscale, queries without LoRA, halves-paired
-    rotary dims, tied embeddings, one key/value head, a sliding window."""
+    rotary dims, tied embeddings, one key/value head, attention biases, MoE every other layer,
+    a sliding window."""
     model, net = converted(family, tmp_path, rng, **options)
     ids = rng.integers(0, model.config.vocab_size, (2, 11))
     error = logits_error(model, net, ids, "pynative")

@@ -25,7 +25,8 @@ class GQAConfig:
     num_kv_heads: int
     head_dim: int
     qk_norm: bool = False            # Qwen3-MoE: RMSNorm over each head of q and k
-    qkv_bias: bool = False           # Qwen2-MoE: biases on q, k and v
+    qkv_bias: bool = False           # biases on q, k and v (Qwen2-MoE; Qwen3-MoE's attention_bias)
+    o_bias: bool = False             # a bias on o (Qwen3-MoE's attention_bias)
     sliding_window: Optional[int] = None  # keys at most this many positions back (None: all)
     norm_eps: float = 1e-6
 
@@ -170,9 +171,10 @@ class CausalLMConfig:
             elif getattr(c, "use_sliding_window", False):
                 raise ValueError(f"CausalLMConfig: {family} with use_sliding_window=True (sliding "
                                  f"window on some layers only) is not supported")
+            bias = {"qwen2_moe": (bool(getattr(c, "qkv_bias", True)), False),
+                    "qwen3_moe": (bool(c.attention_bias),) * 2}.get(family, (False, False))
             attention = GQAConfig(heads, c.num_key_value_heads or heads, head_dim,
-                                  qk_norm=family == "qwen3_moe",
-                                  qkv_bias=family == "qwen2_moe" and getattr(c, "qkv_bias", True),
+                                  qk_norm=family == "qwen3_moe", qkv_bias=bias[0], o_bias=bias[1],
                                   sliding_window=window, norm_eps=c.rms_norm_eps)
             rope = _rope(c, head_dim)
             if family == "mixtral":
@@ -233,6 +235,8 @@ def _attention_shapes(a, h):
                   "o_proj.weight": (h, q)}
         if a.qkv_bias:
             shapes.update({"q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,)})
+        if a.o_bias:
+            shapes["o_proj.bias"] = (h,)
         if a.qk_norm:
             shapes.update({"q_norm.weight": (a.head_dim,), "k_norm.weight": (a.head_dim,)})
         return shapes

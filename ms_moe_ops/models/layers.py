@@ -101,7 +101,7 @@ def attend(q, k, v, mask, scaling):
 
 class GQAttention(nn.Cell):
     """Grouped-query attention (Qwen3-MoE with q/k RMSNorm, Qwen2-MoE with q/k/v biases,
-    Mixtral). x [B, S, H] -> [B, S, H]."""
+    Mixtral; see GQAConfig). x [B, S, H] -> [B, S, H]."""
 
     def __init__(self, config, hidden_size):
         super().__init__()
@@ -109,7 +109,7 @@ class GQAttention(nn.Cell):
         self.q_proj = _dense(hidden_size, a.num_heads * a.head_dim, a.qkv_bias)
         self.k_proj = _dense(hidden_size, a.num_kv_heads * a.head_dim, a.qkv_bias)
         self.v_proj = _dense(hidden_size, a.num_kv_heads * a.head_dim, a.qkv_bias)
-        self.o_proj = _dense(a.num_heads * a.head_dim, hidden_size)
+        self.o_proj = _dense(a.num_heads * a.head_dim, hidden_size, a.o_bias)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
