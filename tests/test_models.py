@@ -176,6 +176,47 @@ def test_config_json_of_older_transformers():
     assert CausalLMConfig.from_transformers(qwen).moe.num_experts == 8
 
 
+# config.json of two released models, as on the Hugging Face Hub (DeepSeek-V3's without its FP8
+# quantization_config, which a float copy of the weights does not have)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+
+
+@pytest.mark.parametrize("config, billions", [(QWEN3_30B_A3B, 30.53), (DEEPSEEK_V3, 671.03)])
+def test_released_configurations_have_their_published_size(config, billions):
+    """The parameter table of Qwen3-30B-A3B and DeepSeek-V3 from their config.json files adds up
+    to their published sizes (30.5B; 671B without the multi-token-prediction layer), computed
+    from shapes only."""
+    table = CausalLMConfig.from_transformers(config).parameter_shapes()
+    total = sum(int(np.prod(s)) for name, s in table.items() if not name.endswith("expert_bias"))
+    assert round(total / 1e9, 2) == billions
+
+
 def test_config_errors(tmp_path):
     with pytest.raises(ValueError, match="model_type must be one of"):
         CausalLMConfig.from_transformers({"model_type": "llama"})
