@@ -68,9 +68,9 @@ def check_greedy_tokens(model, net, ids, mode):
     """generate() gives the tokens of transformers' greedy generate (with its KV cache)."""
     eos = model.config.eos_token_id
     with torch.no_grad():
-        theirs = model.generate(torch.from_numpy(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
-                                max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
-                                pad_token_id=eos).numpy()
+        theirs = model.generate(torch.from_numpy(ids), max_new_tokens=NEW, do_sample=False,
+                                attention_mask=torch.ones(ids.shape, dtype=torch.long),
+                                eos_token_id=eos, pad_token_id=eos).numpy()
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     ours = generate(net, ids, NEW, eos_token_id=eos)
     print(f"greedy tokens ({mode}): {ours[:, PROMPT:].tolist()}")
@@ -152,10 +152,11 @@ def test_training_step_matches_transformers(tmp_path, rng):
                  "model.layers.2.self_attn.kv_b_proj.weight", "model.embed_tokens.weight"):
         np.testing.assert_allclose(params[name].asnumpy(), theirs[name], rtol=1e-4, atol=1e-6)
     router = params["model.layers.1.mlp.router.weight"].asnumpy()
-    np.testing.assert_allclose(router, theirs["model.layers.1.mlp.gate.weight"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(router, theirs["model.layers.1.mlp.gate.weight"], rtol=1e-4,
+                               atol=1e-6)
     up = params["model.layers.2.mlp.experts.weight1"].asnumpy()[:, :, 16:]  # [E, H, I]
-    np.testing.assert_allclose(up, theirs["model.layers.2.mlp.experts.gate_up_proj"][:, 16:].transpose(0, 2, 1),
-                               rtol=1e-4, atol=1e-6)
+    their_up = theirs["model.layers.2.mlp.experts.gate_up_proj"][:, 16:]  # [E, I, H]
+    np.testing.assert_allclose(up, their_up.transpose(0, 2, 1), rtol=1e-4, atol=1e-6)
 
 
 def test_config_json_of_older_transformers():
