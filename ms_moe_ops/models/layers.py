@@ -7,6 +7,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..nn.moe_layer import MoELayer
+from ..ops._indexing import take_rows
 from .config import GQAConfig
 
 __all__ = ["RMSNorm", "Embedding", "RotaryEmbedding", "GQAttention", "MLAttention", "MLP",
@@ -20,7 +21,7 @@ class RMSNorm(nn.Cell):
 
     def __init__(self, size, eps=1e-6):
         super().__init__()
-        self.weight = Parameter(ops.ones(size, ms.float32), name="weight")
+        self.weight = Parameter(ops.ones(size, dtype=ms.float32), name="weight")
         self.eps = float(eps)
 
     def construct(self, x):
@@ -42,12 +43,12 @@ class Embedding(nn.Cell):
                                 name="weight")
 
     def construct(self, ids):
-        return ops.gather(self.weight, ids, 0)
+        return take_rows(self.weight, ids)
 
 
 def _dense(n_in, n_out, bias=False):
-    """A projection with torch's [out, in] weight layout (nn.Dense's own)."""
-    return nn.Dense(n_in, n_out, has_bias=bias, weight_init=Normal(0.02))
+    """A projection with torch's [out, in] weight layout (nn.Linear's own)."""
+    return nn.Linear(n_in, n_out, bias=bias, weight_init=Normal(0.02))
 
 
 class RotaryEmbedding(nn.Cell):
@@ -87,8 +88,8 @@ def causal_mask(length, window=None):
     allowed = j <= i
     if window is not None:
         allowed = ops.logical_and(allowed, i - j < window)
-    return ops.select(allowed, ops.zeros((length, length), ms.float32),
-                      ops.full((length, length), _MIN, dtype=ms.float32))
+    return ops.where(allowed, ops.zeros((length, length), dtype=ms.float32),
+                     ops.full((length, length), _MIN, dtype=ms.float32))
 
 
 def attend(q, k, v, mask, scaling):
