@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 _NODE = re.compile(r"^\s+%(\d+)\(([^)]*)\) = ([A-Za-z0-9_:]+)\((.*)$")
 _SIGNATURE = re.compile(r"^\s+: \((.*)\) -> \((.*)\)\s*$")
 _SOURCE = re.compile(r"^\s+# In file ([^:]+):(\d+)")
+_SCOPE = re.compile(r"^\s+# Fullname with scope: \(([^)]*)\)")
 
 
 @dataclass
@@ -27,6 +28,7 @@ class Node:
     inputs: List[str] = field(default_factory=list)
     output: str = ""
     source: str = ""
+    scope: str = ""  # "Default/..." for the forward; "Gradients/..." for what autodiff added
 
     def where(self):
         return f"%{self.index} {self.prim}" + (f" ({self.source})" if self.source else "")
@@ -115,6 +117,10 @@ def parse_ir(text) -> Graph:
         if signature and not last.inputs and not last.output:
             last.inputs = split_top(signature.group(1))
             last.output = signature.group(2)
+            continue
+        scope = _SCOPE.match(line)
+        if scope:
+            last.scope = scope.group(1)
             continue
         source = _SOURCE.match(line)
         if source and package in source.group(1):

@@ -13,6 +13,8 @@ MindSpore 2.10's docstrings and C++ sources): see docs/ascend.md.
 import json
 import os
 import re
+
+import numpy as np
 from typing import Callable, NamedTuple
 
 from ascend_ir import dtype_of, literal, shape_of
@@ -92,9 +94,23 @@ def _gmm_shapes(graph, soc):
             yield f"{node.where()}: weight must be 2-D or 3-D, got {w}"
         if groups and groups[0] > _GMM_MAX_GROUPS:
             yield f"{node.where()}: at most {_GMM_MAX_GROUPS} groups, got {groups[0]}"
-        for shape in (x, w):
-            if shape and shape[-1] >= _GMM_MAX_DIM:
-                yield f"{node.where()}: every last dimension must be < {_GMM_MAX_DIM}, got {shape}"
+        for arg, shape in ((node.args[_GMM_X], x), (node.args[_GMM_W], w)):
+            stored = _stored_shape(graph, arg, shape)
+            if stored and stored[-1] >= _GMM_MAX_DIM:
+                yield (f"{node.where()}: every stored last dimension must be < {_GMM_MAX_DIM}, "
+                       f"got {stored}")
+        if literal(node.args[12]) != 3 or literal(node.args[14]) not in (0, 1):
+            yield f"{node.where()}: split_item 3 and group_list_type 0 or 1 expected"
+        if literal(node.args[_GMM_GROUP_TYPE]) == 2 and len(shape_of(node.output) or ()) != 3:
+            yield f"{node.where()}: group_type 2 gives a [G, K, N] result, got {node.output}"
+
+
+def _stored_shape(graph, arg, shape):
+    """The shape of a tensor argument as stored: the viewed tensor's for a TransposeExtView."""
+    producer = graph.through_tuples(arg)
+    if producer is not None and producer.prim == "TransposeExtView":
+        return shape_of(producer.inputs[0])
+    return shape
 
 
 # -- scatters and sums at indices -------------------------------------------------------------------
@@ -103,23 +119,26 @@ def _no_scatter_reduction(graph, soc):
     for node in graph.of("TensorScatterElements"):
         if literal(node.args[-1]) not in (None, 0):
             yield f"{node.where()}: TensorScatterElements with a reduction ({node.args[-1]})"
+        if dtype_of(node.inputs[0]) not in ("Float16", "Float32"):
+            yield f"{node.where()}: TensorScatterElements takes float16/float32 on Ascend"
 
 
-# what may produce IndexAdd's first input: it is written in place, so a new buffer each step
-_FRESH = ("Zeros", "ZerosLike", "FillV2", "Fill", "Ones", "OnesLike")
-_THROUGH = ("Reshape", "Cast", "ExpandDims", "Depend", "Load")
+# what the package's own code must not call (MindSpore 2.10 documents the APIs as deprecated)
+_DEPRECATED = ("TensorScatterAdd", "TensorScatterElements", "ScatterNd", "UnsortedSegmentSum")
 
 
-def _index_add_into_new_buffer(graph, soc):
+def _no_deprecated_primitive(graph, soc):
+    for prim in _DEPRECATED:
+        for node in graph.of(prim):
+            # called by ms_moe_ops' code (not MindSpore's own bprops of what it called)
+            if node.source and not node.scope.startswith("Gradients"):
+                yield f"{node.where()}: {prim} (a deprecated API) called by the package"
+
+
+def _index_add_out_of_place(graph, soc):
     for node in graph.of("IndexAdd"):
-        source, arg = graph.producer(node.args[0]), node.args[0]
-        while source is not None and source.prim in _THROUGH:
-            arg, source = source.args[0], graph.producer(source.args[0])
-        if source is None and arg.strip().startswith("Tensor("):
-            continue  # a constant: materialised anew
-        if source is None or source.prim not in _FRESH:
-            yield (f"{node.where()}: IndexAdd writes its first input in place, which must be a new "
-                   f"buffer, got {source.where() if source else arg}")
+        yield (f"{node.where()}: IndexAdd writes its first input in place (a zeros buffer of a "
+               f"static shape may be a constant of the graph): use IndexAddExt on Ascend")
 
 
 # -- the Custom aclnn kernels: arity and scalar kinds against the vendor prototypes ----------------
@@ -180,12 +199,31 @@ def _gating_top_k(graph, soc):
         shape = shape_of(x)
         if dtype_of(x) not in FLOATS or shape is None or len(shape) != 2:
             yield f"{node.where()}: x must be a 2-D float16/bfloat16/float32 tensor, got {x}"
-        elif not 1 <= shape[1] <= 2048:
-            yield f"{node.where()}: the expert count must be in [1, 2048], got {shape[1]}"
+            continue
+        n = shape[1]
+        if not 1 <= n <= 2048:
+            yield f"{node.where()}: the expert count must be in [1, 2048], got {n}"
         if dtype_of(bias) is not None and dtype_of(bias) != dtype_of(x):
             yield f"{node.where()}: bias must have x's dtype, got {bias}"
-        if literal(node.args[8]) is not True:
-            yield f"{node.where()}: out_flag must be true (false leaves x_norm unwritten)"
+        k, k_group, groups, mode, renorm, norm_type, out_flag = (
+            literal(a) for a in node.args[2:9])
+        if out_flag is not False:
+            yield (f"{node.where()}: out_flag must be false (the first 950 releases reject true, "
+                   f"and the fast tiling needs false), got {node.args[8]}")
+        if renorm != 0 or norm_type not in (0, 1) or (soc == S950 and norm_type != 1):
+            yield (f"{node.where()}: renorm 0 and norm_type 0/1 (1 on Ascend 950), got renorm="
+                   f"{renorm}, norm_type={norm_type}")
+        if n > 0 and n % groups == 0:
+            per_group = n // groups
+            if not 1 <= k_group <= groups or not 1 <= k <= k_group * per_group:
+                yield f"{node.where()}: k={k}, k_group={k_group} out of range for {groups} groups"
+            if mode == 1 and groups > 1 and per_group < 2:
+                yield f"{node.where()}: group_select_mode 1 needs 2 experts per group"
+            if groups not in (1, n) and k_group != groups and \
+                    -(-per_group // 32) * 32 * groups > 2048:
+                yield f"{node.where()}: the aligned group size x groups exceeds 2048"
+        else:
+            yield f"{node.where()}: {n} experts are not divisible into {groups} groups"
         outputs = re.findall(r"Tensor\[(\w+)\]", node.output)
         if outputs[2:] != ["Float32"]:
             yield f"{node.where()}: x_norm must be float32, got {node.output}"
@@ -201,6 +239,9 @@ def _gating_top_k_backward(graph, soc):
         shape = shape_of(x_norm)
         if shape and not 2 <= shape[-1] <= 2048:
             yield f"{node.where()}: the expert count must be in [2, 2048], got {shape}"
+        k = (shape_of(grad_y) or (0, 0))[-1]
+        if literal(node.args[4]) != 1 or (shape and k > shape[-1]):
+            yield f"{node.where()}: norm_type 1 and K <= N expected, got {node.args[4]}, K={k}"
 
 
 # -- aclnnSwigluGroupQuantGrad (CANN ops-nn activation/swiglu_group_quant_grad) -------------------
@@ -246,6 +287,8 @@ def _ffn_v3(graph, soc):
                 yield f"{node.where()}: weights must be [E, K, N] with K, N < 65536, got {w}"
         if dtype_of(node.output) not in ("Float16", "BFloat16"):
             yield f"{node.where()}: y must be float16 or bfloat16, got {node.output}"
+        if literal(node.args[15]) != 0:
+            yield f"{node.where()}: innerPrecise 0 (high precision) expected, got {node.args[15]}"
         if node.args[14].strip() not in _FFN_ACTIVATIONS:
             yield f"{node.where()}: activation {node.args[14]} is not one the kernel has"
 
@@ -262,6 +305,8 @@ def _permute(graph, soc):
             yield f"{node.where()}: indices must be int32/int64 of rank <= 2, got {indices}"
         elif len(shape) == 2 and shape[1] > 512:
             yield f"{node.where()}: top-k must be <= 512, got {shape[1]}"
+        if shape and all(d >= 0 for d in shape) and np.prod(shape) >= 16777215:
+            yield f"{node.where()}: fewer than 16777215 indices expected, got {shape}"
 
 
 def _unpermute(graph, soc):
@@ -302,16 +347,23 @@ RULES = (
          "MindSpore 2.10 ops.tensor_scatter_elements: on Ascend the reduction only supports "
          "'none'",
          _no_scatter_reduction, expected=lambda soc, dtype: False),
-    Rule("index-add-new-buffer", ("IndexAdd",),
-         "MindSpore 2.10 IndexAdd: its first input is written in place (RW_WRITE)",
-         _index_add_into_new_buffer),
+    Rule("no-deprecated-primitive", _DEPRECATED,
+         "MindSpore 2.10: tensor_scatter_add, tensor_scatter_elements, scatter_nd and "
+         "unsorted_segment_sum are deprecated ('will be removed after version 2.9.0')",
+         _no_deprecated_primitive, expected=lambda soc, dtype: False),
+    Rule("index-add-out-of-place", ("IndexAdd",),
+         "MindSpore 2.10 IndexAdd: its first input is written in place (RW_WRITE), and MindSpore "
+         "folds a static-shape zeros buffer into a constant",
+         _index_add_out_of_place, expected=lambda soc, dtype: False),
     Rule("aclnn-prototype", tuple(prototypes()),
          "the kernels' prototypes (tests/data/aclnn_prototypes.json, from the CANN headers and "
          "documents): MindSpore passes a Custom aclnn node's arguments positionally",
          _aclnn_arguments),
     Rule("gating-top-k", ("aclnnMoeGatingTopK",),
-         "CANN aclnnMoeGatingTopK: x 2-D FLOAT16/BFLOAT16/FLOAT32 with E <= 2048, bias of x's "
-         "dtype, outOut FLOAT32 (written only when outFlag is true)",
+         "CANN aclnnMoeGatingTopK (document and tiling): x 2-D FLOAT16/BFLOAT16/FLOAT32 with "
+         "E <= 2048, bias of x's dtype, outOut FLOAT32, renorm 0 (before 2026), k and kGroup in "
+         "range, 2 experts per group for groupSelectMode 1, align32(E/groups) x groups <= 2048 "
+         "when groups are selected; Ascend 950 (first releases): normType 1, outFlag false",
          _gating_top_k),
     Rule("gating-top-k-backward", ("aclnnMoeGatingTopKBackward",),
          "CANN aclnnMoeGatingTopKBackward: xNorm FLOAT32 [M, N], 2 <= N <= 2048, expertIdx INT32, "

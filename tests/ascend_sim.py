@@ -8,7 +8,7 @@ from ms_moe_ops.ops import _cann, _op, _platform
 # The primitives only an Ascend device has, as the CPU backend names them when it refuses one.
 ASCEND_ONLY = ("GroupedMatmulV4", "MoeTokenPermute", "InnerMoeTokenUnpermute", "FFNExt",
                "aclnnMoeGatingTopK", "aclnnMoeGatingTopKBackward", "aclnnSwigluGroupQuantGrad",
-               "aclnnFFNV3")
+               "aclnnFFNV3", "IndexAddExt")
 
 
 def as_on(monkeypatch, soc, cann_missing=()):

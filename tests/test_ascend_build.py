@@ -54,9 +54,8 @@ FRONT_END = [
     ("aclnn", _platform.ASCEND_950, "swiglu_backward", "bfloat16"),
     ("aclnn", _platform.ASCEND_950, "router_groups_max", "float32"),
     ("aclnn", _platform.A2, "moe_ffn", "float16"),
-    ("aclnn", _platform.A2, "moe_ffn", "bfloat16"),
     ("aclnn", _platform.A2, "moe_ffn_int8", "int8"),
-    ("aclnn", _platform.A2, "moe_ffn_padded", "bfloat16"),
+    ("aclnn", _platform.A2, "moe_ffn_padded", "float16"),
     ("builtin", _platform.A2, "moe_ffn", "float16"),
     ("builtin", _platform.A2, "moe_ffn_int8", "int8"),
     ("builtin", _platform.A2, "grouped_matmul", "bfloat16"),
@@ -73,7 +72,7 @@ FRONT_END = [
 
 # what the CPU backend calls the primitive of each built-in implementation
 BUILTIN_PRIMITIVES = {"grouped_matmul": ("GroupedMatmulV4",), "moe_ffn": ("FFNExt",),
-                      "moe_token_permute": ("MoeTokenPermute",),
+                      "moe_token_permute": ("MoeTokenPermute", "IndexAddExt"),
                       "moe_token_unpermute": ("InnerMoeTokenUnpermute",)}
 
 

@@ -7,7 +7,10 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
+import mindspore as ms
+from mindspore import Tensor, ops
 from mindspore.ops.operations._custom_ops_utils import CustomCodeGenerator
 
 from ms_moe_ops.ops import OPERATORS, _impls
@@ -164,21 +167,34 @@ def test_clamp_off_reaches_the_aclnn_kernel_as_the_largest_float(monkeypatch, cl
     assert all("value" not in a for a in info["attr"])  # values travel as call inputs
 
 
-def test_sigmoid_router_tells_the_kernel_renorm_0(monkeypatch):
-    # aclnnMoeGatingTopK supports renorm=0 only; sigmoid renormalises whatever renorm says
-    monkeypatch.setattr(_impls.ops, "Custom", _Recorder)
+class _RouterKernel(_Recorder):
+    """aclnnMoeGatingTopK's stand-in: records its arguments, returns (y, expert_idx, whatever
+    the unwritten x_norm holds)."""
+
+    def __call__(self, *args):
+        self.args = args
+        x = args[0]
+        return x[:, :2], ops.zeros((x.shape[0], 2), dtype=ms.int32), ops.full_like(x, 7.0)
+
+
+@pytest.mark.parametrize("norm_type,out_flag", [(1, True), (1, False), (0, True)])
+def test_router_kernel_arguments_and_the_x_norm_it_leaves_out(monkeypatch, norm_type, out_flag):
+    # renorm goes as 0 (sigmoid renormalises whatever it says; releases before 2026 take 0
+    # only), out_flag as false whatever the call says (the kernel's fast tiling, and the only
+    # value its first 950 releases accept): then the kernel leaves x_norm unwritten, and x_norm
+    # is the scores of the logits, computed beside it
+    monkeypatch.setattr(_impls.ops, "Custom", _RouterKernel)
     monkeypatch.setattr(_Recorder, "made", [])
     op = next(op for op, impl in ACLNN if impl.binding.kernel == "aclnnMoeGatingTopK")
-    call = op.impl("aclnn").build(op, op.resolve(k=2, renorm=1, norm_type=1, eps=1e-6))
-    assert call(("x", None)) == ("x", None, 2, 1, 1, 0, 0, 1, True, 1.0, 1e-6)
-
-
-def test_router_always_asks_the_kernel_for_x_norm(monkeypatch):
-    # with out_flag false aclnnMoeGatingTopK leaves x_norm unwritten, and the bprop reads it
-    monkeypatch.setattr(_impls.ops, "Custom", _Recorder)
-    op = next(op for op, impl in ACLNN if impl.binding.kernel == "aclnnMoeGatingTopK")
-    call = op.impl("aclnn").build(op, op.resolve(k=2, out_flag=False))
-    assert call(("x", None))[8] is True
+    attrs = op.resolve(k=2, renorm=1 if norm_type else 0, norm_type=norm_type, eps=1e-6,
+                       out_flag=out_flag)
+    logits = np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32)
+    _, _, x_norm = op.impl("aclnn").build(op, attrs)((Tensor(logits), None))
+    kernel = _Recorder.made[-1]
+    assert kernel.args[1:] == (None, 2, 1, 1, 0, 0, norm_type, False, 1.0, 1e-6)
+    expected = 1 / (1 + np.exp(-logits)) if norm_type else \
+        np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(x_norm.asnumpy(), expected, rtol=1e-5)
 
 
 def test_ffn_v3_gets_the_tensors_in_its_order(monkeypatch):

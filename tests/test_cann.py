@@ -87,3 +87,17 @@ def test_imported_symbols_are_not_exports(tmp_path):
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(path), str(source)], check=True)
     symbols = _cann.exported_symbols(str(path))
     assert "use" in symbols and "aclnnX" not in symbols
+
+
+@needs_cc
+def test_kernels_of_a_library_the_op_api_library_needs(tmp_path):
+    # MindSpore's dlsym on libopapi.so's handle also finds what its dependencies export
+    root = tmp_path / "cann"
+    lib64 = root / "lib64"
+    _library(str(lib64 / "libaclnn_moe.so"), ["aclnnMoeGatingTopK"])
+    source = lib64 / "opapi.c"
+    source.write_text("int aclnnOther(void) { return 0; }\n")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib64 / "libopapi.so"), str(source),
+                    f"-L{lib64}", "-Wl,--no-as-needed", "-laclnn_moe"], check=True)
+    assert _cann.missing_kernel("aclnnMoeGatingTopK", {"ASCEND_HOME_PATH": str(root)}) == ""

@@ -24,8 +24,9 @@ CHANGING = re.compile(r"non-backward-compatible change|will be renamed|will beco
 # default axis changes), keywords it must not use (parameters that are renamed))
 SAFE_CALLS = {"zeros": (1, 0, ()), "ones": (1, 0, ()), "stack": (9, 0, ("axis",)),
               "sort": (9, 0, ("axis",)), "cumsum": (9, 0, ("x", "axis")),
-              "concat": (9, 0, ("axis",)), "chunk": (9, 0, ("axis",)),
-              "softmax": (9, 2, ("axis",))}
+              "concat": (9, 0, ("axis",)), "cat": (9, 0, ("axis",)), "chunk": (9, 0, ("axis",)),
+              "split": (9, 0, ("axis",)), "repeat_interleave": (9, 0, ("axis",)),
+              "softmax": (9, 2, ("axis",)), "log_softmax": (9, 2, ("axis",))}
 
 
 def notice(module, attr):

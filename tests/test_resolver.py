@@ -78,6 +78,16 @@ SELECTION = [
      "PyNative's custom path takes tensors only: no aclnn"),
     (GATING_TOP_K, GRAPH_950, ROUTER, dict(k=8), "aclnn",
      "CANN documents aclnnMoeGatingTopK on 950 too"),
+    (GATING_TOP_K, GRAPH_950, ROUTER, dict(k=8, norm_type=0), "composition",
+     "the kernel's first 950 releases take sigmoid scores only"),
+    (GATING_TOP_K, A2_GRAPH, sig(("bfloat16", (-1, 256)), ("bfloat16", (256,))), dict(k=8),
+     "composition", "rows known at run time only: not sent to the kernel"),
+    (GROUPED_MATMUL, A2_GRAPH, sig(("bfloat16", (32, 64)), ("bfloat16", (2000, 64, 16)),
+                                   ("int64", (2000,)), None), {}, "composition",
+     "aclnnGroupedMatmulV4 takes at most 1024 groups"),
+    (GROUPED_MATMUL, A2_GRAPH, sig(("bfloat16", (32, 65536)), ("bfloat16", (4, 65536, 16)),
+                                   ("int64", (4,)), None), {}, "composition",
+     "aclnnGroupedMatmulV4 needs every stored last dimension < 65536"),
     (GATING_TOP_K, A2_GRAPH, sig(("float32", (4, 2048)), None), dict(k=8, group_count=128,
                                                                      k_group=128),
      "aclnn", "every group kept: the kernel does not select groups, nothing to align"),
@@ -106,8 +116,10 @@ SELECTION = [
     (SWIGLU_GROUP_QUANT_GRAD, PYNATIVE_950, SWIGLU_BWD, {}, "composition", "PyNative: no aclnn"),
     (SWIGLU_GROUP_QUANT_GRAD, A2_GRAPH, SWIGLU_BWD, {}, "composition", "not on A2/A3"),
     (MOE_FFN, A2_GRAPH, ffn_sig("float16"), {}, "aclnn", "float16: aclnnFFNV3"),
-    (MOE_FFN, A2_GRAPH, ffn_sig("bfloat16"), dict(tokens_index_flag=True, padded=True), "aclnn",
-     "bfloat16, cumulative and padded: aclnnFFNV3"),
+    (MOE_FFN, A2_GRAPH, ffn_sig("float16"), dict(tokens_index_flag=True, padded=True), "aclnn",
+     "cumulative and padded: aclnnFFNV3"),
+    (MOE_FFN, A2_GRAPH, ffn_sig("bfloat16"), {}, "composition",
+     "aclnnFFNV3 documents bfloat16 for Atlas A2 inference products only"),
     (MOE_FFN, A2_PYNATIVE, ffn_sig("float16"), {}, "builtin",
      "PyNative: MindSpore's FFN (aclnnFFN), a built-in"),
     (MOE_FFN, A2_PYNATIVE, ffn_sig("bfloat16"), {}, "composition",
@@ -155,6 +167,35 @@ def test_a_kernel_the_installed_cann_lacks_is_passed_over(monkeypatch, caplog):
     with pytest.raises(ValueError, match="MS_MOE_OPS_IMPL=aclnn .*does not have "
                                          "aclnnMoeGatingTopKBackward"):
         choice(GATING_BACKWARD, forced(A2_GRAPH, "aclnn"), ROUTER_BWD)
+
+
+def test_an_implementation_mindspore_cannot_build_here_is_passed_over(monkeypatch, caplog):
+    # building a Custom aclnn primitive on a device compiles a callback against the installed
+    # CANN (ASCEND_OPP_PATH, g++, a writable cache directory, the kernel's header): when that
+    # fails, the next implementation runs, and the reason is logged
+    from ascend_sim import as_on
+    from conftest import run
+    from ms_moe_ops.ops import _impls
+
+    def no_compiler(name, *args, **kwargs):
+        raise RuntimeError("g++ not found")
+
+    as_on(monkeypatch, A2)
+    monkeypatch.setattr(_impls.ops, "Custom", no_compiler)
+    monkeypatch.setattr(_op, "_BROKEN", {})
+    x = Tensor(np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32))
+
+    def route(v):
+        return GATING_TOP_K(v, None, k=2, eps=1e-11)[1]
+
+    with caplog.at_level(logging.WARNING, logger="ms_moe_ops"):
+        idx = run(route, x, mode="graph")
+    assert np.array_equal(np.sort(idx.asnumpy(), 1), np.sort(np.argsort(-x.asnumpy())[:, :2], 1))
+    assert "moe_gating_top_k: aclnn passed over: building it failed (RuntimeError: g++ not " \
+        "found)" in caplog.text
+    monkeypatch.setenv(_platform.IMPL_ENV, "aclnn")
+    with pytest.raises(ValueError, match="building it failed"):
+        run(route, x, mode="graph")
 
 
 def test_int8_without_a_fitting_builtin_is_not_implemented():

@@ -10,13 +10,14 @@ Where MindSpore 2.10 looks (its op-api loader): every `$ASCEND_CUSTOM_OPP_PATH` 
 `load_priority` order of `<root>/opp/vendors/config.ini`; every `<root>/lib64/libopapi_*.so` and
 `<root>/lib64/libopapi.so`, root being the CANN install (the toolkit directory of
 `$ASCEND_HOME_PATH`, `$ASCEND_TOOLKIT_HOME`, the parent of `$ASCEND_OPP_PATH`, or where the
-process loaded libascendcl.so from). A kernel is installed when one library exports both
-`aclnnX` and `aclnnXGetWorkspaceSize`; the libraries' symbol tables are read from their files
-(ELF .dynsym), nothing is loaded.
+process loaded libascendcl.so from). A kernel is installed when one library, with the libraries
+of its own directory it needs, exports both `aclnnX` and `aclnnXGetWorkspaceSize`; the symbol
+tables are read from the files (ELF .dynsym and DT_NEEDED), nothing is loaded.
 """
 import configparser
 import functools
 import glob
+import mmap
 import os
 import struct
 
@@ -72,47 +73,62 @@ def _vendor_priority(config):
 
 @functools.lru_cache(maxsize=None)
 def exported_symbols(path):
-    """The names an ELF shared library exports (its defined dynamic symbols); empty for a file
-    that is not one."""
+    """The names an ELF shared library exports (its defined dynamic symbols), with those of the
+    libraries it needs from its own directory (MindSpore's dlsym on its handle finds them too);
+    empty for a file that is not one."""
+    names, needed = _read_elf(path)
+    folder = os.path.dirname(path)
+    for lib in needed:
+        if os.path.isfile(os.path.join(folder, lib)):
+            names |= _read_elf(os.path.join(folder, lib))[0]
+    return frozenset(names)
+
+
+def _read_elf(path):
+    """(defined dynamic symbol names, DT_NEEDED library names) of an ELF file."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return frozenset()
-    return frozenset(_elf_dynamic_symbols(data))
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return _elf_dynamic(data)
+    except (OSError, ValueError, struct.error):  # unreadable, empty or truncated
+        return set(), []
 
 
-def _elf_dynamic_symbols(data):
+def _elf_dynamic(data):
     if data[:4] != b"\x7fELF":
-        return []
+        return set(), []
     is64, little = data[4] == 2, data[5] == 1
     end = "<" if little else ">"
     if is64:
         shoff, = struct.unpack_from(end + "Q", data, 0x28)
         shentsize, shnum = struct.unpack_from(end + "HH", data, 0x3A)
-        section = end + "IIQQQQIIQQ"
-        symbol, symsize = end + "IBBHQQ", 24
+        section, symbol, symsize, dyn = end + "IIQQQQIIQQ", end + "IBBHQQ", 24, end + "qQ"
     else:
         shoff, = struct.unpack_from(end + "I", data, 0x20)
         shentsize, shnum = struct.unpack_from(end + "HH", data, 0x2E)
-        section = end + "IIIIIIIIII"
-        symbol, symsize = end + "IIIBBH", 16
+        section, symbol, symsize, dyn = end + "IIIIIIIIII", end + "IIIBBH", 16, end + "iI"
     sections = [struct.unpack_from(section, data, shoff + i * shentsize) for i in range(shnum)]
-    names = []
+
+    def string(table, at):
+        stop = data.find(b"\0", table + at)
+        return data[table + at:stop].decode("ascii", "replace")
+
+    names, needed = set(), []
     for sh in sections:
-        if sh[1] != 11:  # SHT_DYNSYM
-            continue
-        offset, size, link = sh[4], sh[5], sh[6]
+        kind, offset, size, link = sh[1], sh[4], sh[5], sh[6]
         strtab = sections[link][4]
-        for i in range(size // symsize):
-            fields = struct.unpack_from(symbol, data, offset + i * symsize)
-            name_at = fields[0]
-            shndx = fields[3] if is64 else fields[5]
-            if shndx == 0 or name_at == 0:  # undefined: imported, not exported
-                continue
-            stop = data.index(b"\0", strtab + name_at)
-            names.append(data[strtab + name_at:stop].decode("ascii", "replace"))
-    return names
+        if kind == 11:  # SHT_DYNSYM: the symbols defined here are exported
+            for i in range(size // symsize):
+                fields = struct.unpack_from(symbol, data, offset + i * symsize)
+                shndx = fields[3] if is64 else fields[5]
+                if shndx and fields[0]:
+                    names.add(string(strtab, fields[0]))
+        elif kind == 6:  # SHT_DYNAMIC: DT_NEEDED (tag 1) entries name the libraries needed
+            step = struct.calcsize(dyn)
+            for i in range(size // step):
+                tag, value = struct.unpack_from(dyn, data, offset + i * step)
+                if tag == 1:
+                    needed.append(string(strtab, value))
+    return names, needed
 
 
 def missing_kernel(kernel, environ=None):

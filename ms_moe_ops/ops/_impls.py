@@ -86,11 +86,12 @@ def aclnn(name, args, socs, dtypes, supports=None, scalars=None, around=None, fi
                 available=lambda: _cann.kernel_missing(name), about=name)
 
 
-def builtin(build, socs, about, supports=None, grad="op"):
-    """A MindSpore built-in primitive: build(attrs) -> f(*inputs); about: the primitive (and the
-    aclnn kernel it calls)."""
+def builtin(build, socs, primitive, kernel, supports=None, grad="op"):
+    """A MindSpore built-in primitive for Ascend: build(attrs) -> f(*inputs); primitive: its
+    name, kernel: the aclnn kernel it calls (the installed CANN must have it)."""
     return Impl(BUILTIN, lambda op, attrs: _star(build(attrs)), target="Ascend", socs=tuple(socs),
-                supports=supports, grad=grad, about=about)
+                supports=supports, grad=grad, about=f"{primitive}: {kernel}",
+                available=lambda: _cann.kernel_missing(kernel))
 
 
 def composition(build, supports=None, grad="op", warn=""):

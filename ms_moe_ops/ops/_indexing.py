@@ -2,15 +2,20 @@
 
 No scatter with a reduction (Ascend's TensorScatterElements supports none) and none of the
 scatters MindSpore 2.10 documents as deprecated (tensor_scatter_add, scatter_nd,
-tensor_scatter_elements): sums at indices go through the IndexAdd primitive (its functional form
-ops.index_add changes its signature after 2.9.0), always into a fresh buffer (IndexAdd writes its
-first input in place), and a scatter to distinct positions becomes a gather through the inverse
-permutation. Float sums at one index are of two terms at most in what the router produces
+tensor_scatter_elements): sums at indices go through an index add, and a scatter to distinct
+positions becomes a gather through the inverse permutation. The index add is MindSpore's
+IndexAddExt on Ascend (mint.index_add: aclnnIndexAdd, a new output), and elsewhere the IndexAdd
+primitive (the one with a CPU kernel; it writes its first input in place, and a zeros buffer of
+a static shape may be folded into a constant of the graph, which a device must not write in
+place; its functional form ops.index_add changes its signature after 2.9.0). Float sums at one index are of two terms at most in what the router produces
 (distinct experts per row; a duplicated expert adds two terms, which commute exactly), so the
 results do not depend on the device's accumulation order; counts are integers.
 """
 import mindspore as ms
-from mindspore import ops
+from mindspore import mint, ops
+
+from .. import _compat
+from . import _platform
 
 _INDEX_ADD = ops.IndexAdd(axis=0)
 # the Gather primitive: ops.gather changes its parameter order and semantics after 2.9.0
@@ -22,10 +27,22 @@ def take_rows(x, index):
     return _GATHER(x, index, 0)
 
 
+def _out_of_place(target, index, values):
+    return mint.index_add(target, 0, index, values)
+
+
+def _index_add_now():
+    return _out_of_place if _platform.device_target() == "Ascend" else _INDEX_ADD
+
+
+# chosen in Python while a graph is built (once per call in PyNative mode)
+_index_add = _compat.run_at_compile_time(_index_add_now)
+
+
 def add_at(target, index, values):
-    """target (1-D or 2-D, a fresh buffer) with values [n] (or [n, H]) added at rows index [n],
-    duplicates summed. float16/float32/int32 (IndexAdd's dtypes)."""
-    return _INDEX_ADD(target, index.astype(ms.int32), values)
+    """target (1-D or 2-D, zeros made for it) with values [n] (or [n, H]) added at rows index
+    [n], duplicates summed. float16/float32/int32."""
+    return _index_add()(target, index.astype(ms.int32), values)
 
 
 def count(index, length):

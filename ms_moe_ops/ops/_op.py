@@ -12,7 +12,7 @@ Resolution rules (`choose`):
   if it cannot run here or refuses the call, the error surfaces (ValueError). Operators without
   one resolve as usual.
 - Otherwise the first declared implementation that runs on this device target, Ascend SoC family
-  and execution mode, and whose `supports(attrs, args)` accepts the call, is chosen. A fallback
+  and execution mode, and whose `supports(attrs, args, soc)` accepts the call, is chosen. A fallback
   (a preferred implementation of this device passed over) is logged at INFO with the reasons,
   other choices at DEBUG (logger "ms_moe_ops").
 - If none fits: NotImplementedError naming the platform and every implementation's reason.
@@ -114,8 +114,9 @@ class Impl:
     name: one of IMPL_NAMES. target: the device target it runs on ("CPU", "Ascend"), None for
     any. socs: the Ascend SoC families (see _platform), None for any. modes: execution modes.
     build(op, attrs) -> f(inputs) applying the operator to the tuple of inputs.
-    supports(attrs, args) -> (ok, reason), args mapping each input name to a TensorInfo (None
-    when absent): the implementation's own limits, checked before it is chosen.
+    supports(attrs, args, soc) -> (ok, reason), args mapping each input name to a TensorInfo
+    (None when absent), soc the SoC family: the implementation's own limits, checked before it
+    is chosen.
     grad: "op" (the OpDef's bprop, attached by the resolver), "self" (the built callable brings
     its gradient: a Custom primitive with the bprop attached, or MindSpore's autodiff of it), or
     a function (attrs) -> bprop used instead of the OpDef's.
@@ -274,10 +275,23 @@ def _resolve_now(op, signature, **kwargs):
     platform = (target, _platform.soc_family(target), _platform.execution_mode(),
                 _platform.forced_impl())
     impl = choose(op, items, platform, signature)
-    name, fn = built(op, impl, items)
+    try:
+        name, fn = built(op, impl, items)
+    except Exception as error:  # pylint: disable=broad-except
+        if platform[3] is not None:  # forced: its errors surface
+            raise
+        # what MindSpore could not build here (an aclnn primitive without the CANN headers or
+        # compiler it needs, ...) is passed over from now on, and the next choice taken
+        _BROKEN[impl] = f"building it failed ({type(error).__name__}: {error})"
+        _log.warning("%s: %s passed over: %s", op.name, impl.name, _BROKEN[impl])
+        choose.cache_clear()
+        return _resolve_now(op, signature, **kwargs)
     for log in _RECORDERS:
         log.append((op.name, name))
     return fn
+
+
+_BROKEN = {}  # implementation -> why building it failed in this process
 
 
 _RECORDERS = []  # the lists of record_choices() blocks open now
@@ -319,7 +333,7 @@ def choose(op, attr_items, platform, signature):
     validate(op, attrs, args)
     forced_impl = op.impl(forced) if forced else None
     if forced_impl is not None:
-        why = forced_impl.unavailable(target, soc, mode) or _refusal(forced_impl, attrs, args)
+        why = forced_impl.unavailable(target, soc, mode) or _refusal(forced_impl, attrs, args, soc)
         if why:
             raise ValueError(f"{op.name}: {_platform.IMPL_ENV}={forced} forces the {forced} "
                              f"implementation, which cannot run this call ({where}): {why}")
@@ -327,7 +341,7 @@ def choose(op, attr_items, platform, signature):
         return forced_impl
     passed, elsewhere = [], []
     for impl in op.impls:
-        why = impl.unavailable(target, soc, mode) or _refusal(impl, attrs, args)
+        why = impl.unavailable(target, soc, mode) or _refusal(impl, attrs, args, soc)
         if not why:
             if impl.warn:
                 _log.warning("%s: %s on %s (%s); passed over: %s", op.name, impl.name, where,
@@ -358,10 +372,12 @@ def validate(op, attrs, args):
     op.infer_dtype(attrs, *[None if i is None else i.dtype for i in infos])
 
 
-def _refusal(impl, attrs, args):
+def _refusal(impl, attrs, args, soc):
+    if impl in _BROKEN:
+        return _BROKEN[impl]
     if impl.supports is None:
         return ""
-    ok, reason = impl.supports(attrs, args)
+    ok, reason = impl.supports(attrs, args, soc)
     return "" if ok else reason
 
 

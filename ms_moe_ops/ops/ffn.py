@@ -9,7 +9,7 @@ alive between forward and backward, and keeps the primitive's single output y. T
 
 Implementations: the CPU kernel; on Atlas A2 in GRAPH mode aclnnFFNV3 (the interface that carries
 aclnnMoeFFN's computation in current CANN, its expert token counts a device tensor) for
-float16/bfloat16 and for int8 with float16 output; on Atlas A2 in PyNative mode MindSpore's
+float16 and for int8 with float16 output; on Atlas A2 in PyNative mode MindSpore's
 built-in FFN (aclnnFFN) for float16 and that int8 case; a composition of grouped_matmul and the
 activation everywhere else.
 
@@ -150,20 +150,20 @@ FFN_ACTIVATION_GRAD = OpDef(
 
 
 def _bprop(a):
-    act, c = a["activation"], a["tokens_index_flag"]
+    act, c, p = a["activation"], a["tokens_index_flag"], a["padded"]
 
     def bprop(x, tokens, w1, b1, w2, b2, scale, offset, dq1, dq2, out, dout):
         if x.dtype == ms.int8:
             raise RuntimeError(f"{_OP}: the int8 (quantised) path is inference only; it has no "
                                f"gradient")
-        h = grouped_matmul(x, w1, tokens, b1, cumulative=c)       # pre-activation, recomputed
-        da = grouped_matmul(dout, w2, tokens, transpose_weight=True, cumulative=c)
+        h = grouped_matmul(x, w1, tokens, b1, cumulative=c, padded=p)  # pre-activation, again
+        da = grouped_matmul(dout, w2, tokens, transpose_weight=True, cumulative=c, padded=p)
         dh, act_h = FFN_ACTIVATION_GRAD(h, da, activation=act)
-        dx = grouped_matmul(dh, w1, tokens, transpose_weight=True, cumulative=c)
-        dw1 = grouped_matmul(x, dh, tokens, transpose_x=True, cumulative=c)
-        dw2 = grouped_matmul(act_h, dout, tokens, transpose_x=True, cumulative=c)
-        db1 = None if b1 is None else group_sum(dh, tokens, c)
-        db2 = None if b2 is None else group_sum(dout, tokens, c)
+        dx = grouped_matmul(dh, w1, tokens, transpose_weight=True, cumulative=c, padded=p)
+        dw1 = grouped_matmul(x, dh, tokens, transpose_x=True, cumulative=c, padded=p)
+        dw2 = grouped_matmul(act_h, dout, tokens, transpose_x=True, cumulative=c, padded=p)
+        db1 = None if b1 is None else group_sum(dh, tokens, c, p)
+        db2 = None if b2 is None else group_sum(dout, tokens, c, p)
         return dx, ops.zeros_like(tokens), dw1, db1, dw2, db2, None, None, None, None
 
     return bprop
@@ -181,7 +181,7 @@ def _ffn_composed(a):
     return ffn
 
 
-def _float_only(a, args):
+def _float_only(a, args, soc):
     if args["x"].dtype == "int8":
         return False, "the int8 path has no composition"
     return True, ""
@@ -199,22 +199,6 @@ def _every_row_covered(a):
             tokens, covered = cover_every_row(tokens, x.shape[0], cumulative)
         y = call((x, tokens) + tuple(inputs[2:]))
         return y if covered is None else y * covered.astype(y.dtype)
-
-    return wrap
-
-
-def _ffn_v3_call(a):
-    """aclnnFFNV3 with every row covered, and a bfloat16 product's biases in float32 (the
-    kernel's bfloat16 rows take float32 biases)."""
-    covering = _every_row_covered(a)
-
-    def wrap(call, inputs):
-        inputs = list(inputs)
-        if inputs[0].dtype == ms.bfloat16:
-            for i in (3, 5):  # bias1, bias2
-                if inputs[i] is not None:
-                    inputs[i] = inputs[i].astype(ms.float32)
-        return covering(call, tuple(inputs))
 
     return wrap
 
@@ -266,10 +250,9 @@ _FFN_V3 = ("x, weight1, weight2, expert_tokens, bias1, bias2, scale, offset, deq
            "deq_scale2, antiquant_scale1?, antiquant_scale2?, antiquant_offset1?, "
            "antiquant_offset2?, activation:str, inner_precise:int, tokens_index_flag:bool")
 _NO_QUANT = (None,) * 4
+# (bfloat16 is documented for Atlas A2 inference products only: it is composed)
 _FFN_V3_DTYPES = [
     ("float16", "int64", "float16", "float16", "float16", "float16") + _NO_QUANT + ("float16",),
-    ("bfloat16", "int64", "bfloat16", "float32", "bfloat16", "float32") + _NO_QUANT
-    + ("bfloat16",),
 ] + [("int8", "int64", "int8", "int32", "int8", "int32", "float32", "float32", dq, dq, "float16")
      for dq in ("uint64", "float32")]
 
@@ -288,10 +271,10 @@ MOE_FFN = OpDef(
     impls=(
         kernel("MoeFFN"),
         aclnn("aclnnFFNV3", _FFN_V3, socs=(A2,), dtypes=_FFN_V3_DTYPES, fixed={"inner_precise": 0},
-              supports=lambda a, args: _ascend_ffn_fits(a, args, ("float16", "bfloat16", "int8")),
-              around=_ffn_v3_call),
-        builtin(_ffn_builtin, socs=(A2,), about="FFNExt: aclnnFFN",
-                supports=lambda a, args: _ascend_ffn_fits(a, args, ("float16", "int8"))),
+              supports=lambda a, args, soc: _ascend_ffn_fits(a, args, ("float16", "int8")),
+              around=_every_row_covered),
+        builtin(_ffn_builtin, socs=(A2,), primitive="FFNExt", kernel="aclnnFFN",
+                supports=lambda a, args, soc: _ascend_ffn_fits(a, args, ("float16", "int8"))),
         composition(_ffn_composed, supports=_float_only),
     ),
     bprop=_bprop,
@@ -326,11 +309,13 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         differentiable with respect to x, weight1, bias1, weight2 and bias2; asking for the
         quant path's gradient raises RuntimeError.
 
-    Ascend: on Atlas A2 in GRAPH mode float16, bfloat16 and int8 (float16 output) run
-    aclnnFFNV3 (the expert counts stay on the device), in PyNative mode float16 and int8 run
+    Ascend: on Atlas A2 in GRAPH mode float16 and int8 (float16 output) run aclnnFFNV3 (the
+    expert counts stay on the device), in PyNative mode float16 and int8 run
     MindSpore's built-in FFN (aclnnFFN, whose expert counts are copied to the host on every
-    call); float32, and every dtype on Atlas A3 and Ascend 950 (which have neither kernel), run
-    grouped_matmul and the activation. int8 with another output_dtype raises
+    call); float32 and bfloat16 (documented for Atlas A2 inference products only), and every
+    dtype on Atlas A3 and Ascend 950 (which have neither kernel), run grouped_matmul and the
+    activation. The Ascend kernels do not check that the counts cover every row (the rows they
+    do not cover are left as they are). int8 with another output_dtype raises
     NotImplementedError on Ascend. Both FFN kernels are non-deterministic unless MindSpore's
     deterministic mode is on (`ms.set_context(deterministic="ON")`).
     """

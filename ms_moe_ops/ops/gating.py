@@ -146,12 +146,14 @@ def _router_composed(a):
     return route
 
 
-def _aclnn_limits(a, args):
+def _aclnn_limits(a, args, soc):
     """aclnnMoeGatingTopK's own limits (CANN ops-transformer moe_gating_top_k: its document and
     tiling, which checks the aligned group size only when groups are really selected)."""
-    n, groups = args["x"].shape[-1], a["group_count"]
-    if n < 0:
-        return False, "the expert count is only known at run time"
+    m, n, groups = args["x"].shape[0], args["x"].shape[-1], a["group_count"]
+    if n < 0 or m < 0:
+        # MindSpore's custom aclnn kernel keeps pointers to scalar arguments across shape changes
+        # (several scalars of one type): only static shapes are sent to the kernel
+        return False, "the shape is only known at run time"
     per_group = n // groups
     aligned = -(-per_group // 32) * 32
     selecting = groups not in (1, n) and a["k_group"] != groups
@@ -162,14 +164,31 @@ def _aclnn_limits(a, args):
         return False, f"group_select_mode={a['group_select_mode']} needs more experts per group"
     if a["norm_type"] == 0 and a["renorm"] == 1:
         return False, "the kernel supports renorm=0 only (softmax renormalisation is composed)"
+    if soc == ASCEND_950 and a["norm_type"] != 1:
+        return False, "the kernel's first Ascend 950 releases take sigmoid scores (norm_type 1) only"
     return True, ""
 
 
 def _aclnn_router_scalars(a):
-    """out_flag true: with out_flag false the kernel leaves its third output (x_norm) unwritten,
-    and the bprop reads it. renorm 0: sigmoid renormalises whatever renorm says, and softmax with
-    renorm=1 is composed (the kernel's releases before 2026 take renorm=0 only)."""
-    return dict(out_flag=True, renorm=0)
+    """out_flag false: the kernel then skips writing x_norm (and takes its fast tiling for
+    DeepSeek-V3's shapes; its first Ascend 950 releases accept false only); renorm 0: sigmoid
+    renormalises whatever renorm says, and softmax with renorm=1 is composed (the kernel's
+    releases before 2026 take renorm=0 only)."""
+    return dict(out_flag=False, renorm=0)
+
+
+def _with_scores(a):
+    """The kernel's y and expert_idx, with x_norm computed here from the logits (the kernel,
+    called with out_flag false, leaves that output unwritten): sigmoid or softmax in float32,
+    as the kernel computes it (the bias only chooses)."""
+    sigmoid = a["norm_type"] == 1
+
+    def wrap(call, inputs):
+        y, expert_idx, _ = call(inputs)
+        logits = inputs[0].astype(ms.float32)
+        return y, expert_idx, ops.sigmoid(logits) if sigmoid else _softmax(logits)
+
+    return wrap
 
 
 GATING_TOP_K = OpDef(
@@ -190,7 +209,7 @@ GATING_TOP_K = OpDef(
               "x, bias, k:int, k_group:int, group_count:int, group_select_mode:int, renorm:int, "
               "norm_type:int, out_flag:bool, routed_scaling_factor:double, eps:double",
               socs=(A2, A3, ASCEND_950), dtypes=[(t, t, t, "int32", "float32") for t in FLOATS],
-              supports=_aclnn_limits, scalars=_aclnn_router_scalars),
+              supports=_aclnn_limits, scalars=_aclnn_router_scalars, around=_with_scores),
         composition(_router_composed),
     ),
     bprop=_router_bprop,
@@ -266,6 +285,12 @@ def _sigmoid_backward_composed(a):
     return grad
 
 
+def _static_rows(a, args, soc):
+    if args["x_norm"].shape[0] < 0:
+        return False, "the shape is only known at run time (see moe_gating_top_k's aclnn limits)"
+    return True, ""
+
+
 def _float32_grad_y(a):
     """The kernel is called with float32 grad_y (a float32 grad_x, as it is registered), cast
     back to grad_y's dtype."""
@@ -291,7 +316,7 @@ GATING_BACKWARD = OpDef(
               "x_norm, grad_y, expert_idx, renorm:int, norm_type:int, "
               "routed_scaling_factor:double, eps:double",
               socs=(A2, A3, ASCEND_950), dtypes=[("float32", "float32", "int32", "float32")],
-              around=_float32_grad_y),
+              supports=_static_rows, around=_float32_grad_y),
         composition(_sigmoid_backward_composed),
     ),
 )

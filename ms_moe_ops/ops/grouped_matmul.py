@@ -56,10 +56,11 @@ def _infer_dtype(a, x, weight, group_list, bias):
     return (x,)
 
 
-def group_sum(values, group_list, cumulative=False):
+def group_sum(values, group_list, cumulative=False, padded=True):
     """Per-group sum of the rows of values [M, N] -> [G, N] (a product with a column of ones)."""
     ones = ops.ones((values.shape[0], 1), dtype=values.dtype)
-    sums = grouped_matmul(ones, values, group_list, transpose_x=True, cumulative=cumulative)
+    sums = grouped_matmul(ones, values, group_list, transpose_x=True, cumulative=cumulative,
+                          padded=padded)
     shape = (sums.shape[0], sums.shape[2])
     if values.dtype == ms.bfloat16:  # GRAPH mode has no bfloat16 Reshape on CPU (exact casts)
         return sums.astype(ms.float32).reshape(shape).astype(ms.bfloat16)
@@ -67,20 +68,20 @@ def group_sum(values, group_list, cumulative=False):
 
 
 def _bprop(a):
-    c = a["cumulative"]
+    c, p = a["cumulative"], a["padded"]
 
     def bprop(x, weight, groups, bias, out, dout):
         if a["transpose_x"]:  # out[g] = x_g^T @ b_g
-            dx = grouped_matmul(weight, dout, groups, transpose_weight=True, cumulative=c)
-            dweight = grouped_matmul(x, dout, groups, cumulative=c)
+            dx = grouped_matmul(weight, dout, groups, transpose_weight=True, cumulative=c, padded=p)
+            dweight = grouped_matmul(x, dout, groups, cumulative=c, padded=p)
             return dx, dweight, ops.zeros_like(groups), None
         if a["transpose_weight"]:  # out_g = x_g @ w[g]^T
-            dx = grouped_matmul(dout, weight, groups, cumulative=c)
-            dweight = grouped_matmul(dout, x, groups, transpose_x=True, cumulative=c)
+            dx = grouped_matmul(dout, weight, groups, cumulative=c, padded=p)
+            dweight = grouped_matmul(dout, x, groups, transpose_x=True, cumulative=c, padded=p)
         else:  # out_g = x_g @ w[g]
-            dx = grouped_matmul(dout, weight, groups, transpose_weight=True, cumulative=c)
-            dweight = grouped_matmul(x, dout, groups, transpose_x=True, cumulative=c)
-        dbias = None if bias is None else group_sum(dout, groups, c)
+            dx = grouped_matmul(dout, weight, groups, transpose_weight=True, cumulative=c, padded=p)
+            dweight = grouped_matmul(x, dout, groups, transpose_x=True, cumulative=c, padded=p)
+        dbias = None if bias is None else group_sum(dout, groups, c, p)
         return dx, dweight, ops.zeros_like(groups), dbias
 
     return bprop
@@ -164,6 +165,22 @@ def _builtin(a):
     return f
 
 
+GMM_MAX_GROUPS, GMM_MAX_DIM = 1024, 65536  # aclnnGroupedMatmulV4: a tensor group list, storage dims
+
+
+def _builtin_fits(a, args, soc):
+    """aclnnGroupedMatmulV4's limits (CANN document): at most 1024 groups with a tensor group
+    list, every tensor's last dimension in storage < 65536 (transposed operands go as views of
+    the tensors given here, so their storage's last dimension is these tensors' last)."""
+    groups = args["group_list"].shape[0]
+    if groups > GMM_MAX_GROUPS:
+        return False, f"at most {GMM_MAX_GROUPS} groups, got {groups}"
+    too_long = [d for d in (args["x"].shape[-1], args["weight"].shape[-1]) if d >= GMM_MAX_DIM]
+    if too_long:
+        return False, f"every stored last dimension must be < {GMM_MAX_DIM}, got {too_long[0]}"
+    return True, ""
+
+
 def _builtin_grad(a):
     """MindSpore's own grouped-matmul backward (GmmV2Backward) for the plain product; the
     transposed forms differentiate as declared (grouped matmuls again)."""
@@ -179,7 +196,7 @@ def _builtin_grad(a):
             every_row, covered = cover_every_row(groups, x.shape[0], c)
             dy = dout * covered.astype(dout.dtype)  # the padded rows' outputs are constant zeros
         grads = gmm_v2_backward_op([dy], [x], [weight], every_row, list_type)  # (dx, dweight)
-        dbias = None if bias is None else group_sum(dout, groups, c)
+        dbias = None if bias is None else group_sum(dout, groups, c, a["padded"])
         return grads[0], grads[1], ops.zeros_like(groups), dbias
 
     return bprop
@@ -197,8 +214,8 @@ GROUPED_MATMUL = OpDef(
     infer_dtype=_infer_dtype,
     impls=(
         kernel("GroupedMatmul"),
-        builtin(_builtin, socs=(A2, A3, ASCEND_950), grad=_builtin_grad,
-                about="GmmV2: aclnnGroupedMatmulV4"),
+        builtin(_builtin, socs=(A2, A3, ASCEND_950), grad=_builtin_grad, supports=_builtin_fits,
+                primitive="GmmV2", kernel="aclnnGroupedMatmulV4"),
         composition(_composed, warn="a masked product per group: G times the flops of the grouped "
                                     "product"),
     ),

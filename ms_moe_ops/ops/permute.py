@@ -105,8 +105,8 @@ PERMUTE = OpDef(
     impls=(
         kernel("MoeTokenPermute"),
         builtin(_permute_builtin, socs=(A2, A3, ASCEND_950),
-                about="moe_token_permute: aclnnMoeTokenPermute",
-                supports=lambda a, args: _top_k_within(args["expert_idx"].shape[-1])),
+                primitive="moe_token_permute", kernel="aclnnMoeTokenPermute",
+                supports=lambda a, args, soc: _top_k_within(args["expert_idx"].shape[-1])),
         composition(_permute_composed),
     ),
     bprop=_permute_bprop,
@@ -241,8 +241,8 @@ UNPERMUTE = OpDef(
     impls=(
         kernel("MoeTokenUnpermute"),
         builtin(_unpermute_builtin, socs=(A2, A3, ASCEND_950),
-                about="moe_token_unpermute: aclnnMoeTokenUnpermute",
-                supports=lambda a, args: _top_k_within(_unpermute_top_k(a, args))),
+                primitive="moe_token_unpermute", kernel="aclnnMoeTokenUnpermute",
+                supports=lambda a, args, soc: _top_k_within(_unpermute_top_k(a, args))),
         composition(_unpermute_composed),
     ),
     bprop=_unpermute_bprop,

@@ -1,0 +1,118 @@
+"""MoECausalLM: a whole decoder-only MoE language model (DeepSeek-V3/V2, Qwen3/Qwen2-MoE,
+Mixtral) on MoELayer; its training loss and greedy generation."""
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from .config import CausalLMConfig, GQAConfig
+from .layers import DecoderLayer, Embedding, RMSNorm, RotaryEmbedding, causal_mask
+
+__all__ = ["MoECausalLM", "DecoderModel", "CausalLMLoss", "generate"]
+
+
+class DecoderModel(nn.Cell):
+    """Token embedding, the decoder layers and the final norm: ids [B, S] -> hidden [B, S, H]."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.CellList([DecoderLayer(config, i) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope)
+        attention = config.attention
+        self.window = attention.sliding_window if isinstance(attention, GQAConfig) else None
+
+    def construct(self, ids):
+        s = ids.shape[1]
+        cos, sin = self.rotary_emb(ops.arange(s))
+        mask = causal_mask(s, self.window)
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+class MoECausalLM(nn.Cell):
+    """A causal language model of a CausalLMConfig: input ids [B, S] (int32/int64) -> next-token
+    logits [B, S, vocab] (float32).
+
+    Parameter names are those of transformers' `...ForCausalLM` (`model.embed_tokens.weight`,
+    `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`); each MoE block at
+    `model.layers.{i}.mlp.` is a MoELayer (`router.weight`, `router.expert_bias`,
+    `experts.weight1`, ...). `MoECausalLM.from_pretrained(dir)` builds the model of a directory
+    written by `ms_moe_ops.convert.convert_checkpoint` and loads its weights;
+    `ms_moe_ops.convert.export_checkpoint` writes them back in transformers' layout.
+
+    No KV cache: every call runs the whole sequence (`generate` keeps one fixed-size window, so
+    GRAPH mode compiles once)."""
+
+    def __init__(self, config):
+        super().__init__()
+        if not isinstance(config, CausalLMConfig):
+            raise TypeError(f"MoECausalLM: config must be a CausalLMConfig, got "
+                            f"{type(config).__name__} (CausalLMConfig.from_transformers reads one "
+                            f"from a transformers config.json)")
+        self.config = config
+        self.model = DecoderModel(config)
+        self.tied = config.tie_word_embeddings
+        if not self.tied:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def construct(self, ids):
+        h = self.model(ids)
+        if self.tied:
+            return ops.matmul(h, self.model.embed_tokens.weight.swapaxes(0, 1))
+        return self.lm_head(h)
+
+    @classmethod
+    def from_pretrained(cls, path, **moe_overrides):
+        """The model of a directory written by `ms_moe_ops.convert.convert_checkpoint` (its
+        config.json and weights); moe_overrides set MoEConfig options (bias_update_rate, the
+        training losses)."""
+        from ..convert import load_checkpoint  # here: ms_moe_ops.convert imports this package
+
+        net = cls(CausalLMConfig.from_transformers(path, **moe_overrides))
+        load_checkpoint(path, net)
+        return net
+
+
+class CausalLMLoss(nn.Cell):
+    """Mean next-token cross-entropy of a MoECausalLM on ids [B, S]: position t predicts
+    token t + 1 (transformers' ForCausalLMLoss without ignored labels)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def construct(self, ids):
+        logits = self.net(ids)[:, :-1]
+        labels = ids[:, 1:]
+        # log-softmax and a gather: as fast on CPU as MindSpore's fused sparse kernel (which
+        # has no Ascend kernel; nn.SoftmaxCrossEntropyWithLogits is deprecated), about 7x faster
+        # than ops.cross_entropy
+        log_probs = ops.log_softmax(logits.reshape(-1, logits.shape[-1]).astype(ms.float32), -1)
+        picked = ops.gather_elements(log_probs, 1, labels.reshape(-1, 1).astype(ms.int32))
+        return -picked.mean()
+
+
+def generate(net, ids, max_new_tokens, eos_token_id=None):
+    """Greedy decoding: ids [B, S0] (numpy or Tensor) -> numpy int64 [B, S0 + n], each new token
+    the argmax of the logits at the last filled position. The sequences live in one buffer of
+    S0 + max_new_tokens positions (the empty tail does not reach earlier positions through the
+    causal mask), so a GRAPH-mode model compiles once. With eos_token_id, a sequence that emitted
+    it is padded with it, and decoding stops when all have."""
+    ids = ids.asnumpy() if isinstance(ids, Tensor) else np.asarray(ids)
+    batch, start = ids.shape
+    buffer = np.zeros((batch, start + max_new_tokens), np.int32)
+    buffer[:, :start] = ids
+    done = np.zeros(batch, bool)
+    for pos in range(start, start + max_new_tokens):
+        logits = net(Tensor(buffer)).asnumpy()[:, pos - 1]
+        token = logits.argmax(-1)
+        if eos_token_id is not None:
+            token = np.where(done, eos_token_id, token)
+            done |= token == eos_token_id
+        buffer[:, pos] = token
+        if done.all():
+            return buffer[:, :pos + 1].astype(np.int64)
+    return buffer.astype(np.int64)

@@ -1,0 +1,213 @@
+"""The Cells of the whole models: RMSNorm, token embedding, rotary embedding, grouped-query and
+multi-head latent attention, the dense SwiGLU MLP and the decoder layer. Parameter names and
+layouts are transformers' ([out, in] projections), so checkpoints carry over unchanged."""
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from ..nn.moe_layer import MoELayer
+from ..ops._indexing import take_rows
+from .config import GQAConfig
+
+__all__ = ["RMSNorm", "Embedding", "RotaryEmbedding", "GQAttention", "MLAttention", "MLP",
+           "DecoderLayer", "causal_mask"]
+
+_MIN = float(np.finfo(np.float32).min)
+
+
+class RMSNorm(nn.Cell):
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis, in float32."""
+
+    def __init__(self, size, eps=1e-6):
+        super().__init__()
+        self.weight = Parameter(ops.ones(size, dtype=ms.float32), name="weight")
+        self.eps = float(eps)
+
+    def construct(self, x):
+        dtype = x.dtype
+        if dtype != ms.float32:  # (a cast to the same dtype is a copy in the graph)
+            x = x.astype(ms.float32)
+        x = x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps)
+        if dtype != ms.float32:
+            x = x.astype(dtype)
+        return self.weight * x
+
+
+class Embedding(nn.Cell):
+    """Token ids -> rows of `weight` [vocab, hidden]."""
+
+    def __init__(self, vocab_size, hidden_size):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(0.02), (vocab_size, hidden_size), ms.float32),
+                                name="weight")
+
+    def construct(self, ids):
+        return take_rows(self.weight, ids)
+
+
+def _dense(n_in, n_out, bias=False):
+    """A projection with torch's [out, in] weight layout (nn.Linear's own)."""
+    return nn.Linear(n_in, n_out, bias=bias, weight_init=Normal(0.02))
+
+
+class RotaryEmbedding(nn.Cell):
+    """positions [S] -> (cos, sin) [S, dim] of the rotary embedding (frequencies repeated over
+    both halves, times the YaRN attention scaling), in float32."""
+
+    def __init__(self, rope):
+        super().__init__()
+        self.inv_freq = Tensor(rope.inv_freq()[None, :])
+        self.scaling = float(rope.attention_scaling())
+
+    def construct(self, positions):
+        freqs = positions.astype(ms.float32).reshape(-1, 1) * self.inv_freq
+        emb = ops.cat((freqs, freqs), -1)
+        return ops.cos(emb) * self.scaling, ops.sin(emb) * self.scaling
+
+
+def rotate(x, cos, sin, interleave=False):
+    """The rotary embedding on the last axis of x [..., S, d]: halves paired (rotate_half), or
+    neighbouring dims paired (interleave; the rotated pairs come out as [evens | odds], as in
+    transformers' DeepSeek-V3, which leaves every query-key product unchanged)."""
+    if interleave:
+        half = cos.shape[-1] // 2
+        cos, sin = cos[:, :half], sin[:, :half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return ops.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+    half = x.shape[-1] // 2
+    rotated = ops.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rotated * sin
+
+
+def causal_mask(length, window=None):
+    """[S, S] float32 added to the attention scores: 0 where key j <= query i (and i - j <
+    window), the lowest float32 elsewhere."""
+    i = ops.arange(length).reshape(-1, 1)
+    j = ops.arange(length).reshape(1, -1)
+    allowed = j <= i
+    if window is not None:
+        allowed = ops.logical_and(allowed, i - j < window)
+    return ops.where(allowed, ops.zeros((length, length), dtype=ms.float32),
+                     ops.full((length, length), _MIN, dtype=ms.float32))
+
+
+def attend(q, k, v, mask, scaling):
+    """softmax(q k^T * scaling + mask) v over [B, heads, S, d]."""
+    scores = ops.matmul(q, k.swapaxes(-1, -2)) * scaling + mask
+    if scores.dtype == ms.float32:
+        return ops.matmul(ops.softmax(scores, -1), v)
+    return ops.matmul(ops.softmax(scores.astype(ms.float32), -1).astype(v.dtype), v)
+
+
+class GQAttention(nn.Cell):
+    """Grouped-query attention (Qwen3-MoE with q/k RMSNorm, Qwen2-MoE with q/k/v biases,
+    Mixtral; see GQAConfig). x [B, S, H] -> [B, S, H]."""
+
+    def __init__(self, config, hidden_size):
+        super().__init__()
+        a = config
+        self.q_proj = _dense(hidden_size, a.num_heads * a.head_dim, a.qkv_bias)
+        self.k_proj = _dense(hidden_size, a.num_kv_heads * a.head_dim, a.qkv_bias)
+        self.v_proj = _dense(hidden_size, a.num_kv_heads * a.head_dim, a.qkv_bias)
+        self.o_proj = _dense(a.num_heads * a.head_dim, hidden_size, a.o_bias)
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
+            self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
+        self.qk_norm = a.qk_norm
+        self.groups = a.num_heads // a.num_kv_heads
+        self.head_dim = a.head_dim
+        self.scaling = float(a.scaling)
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).reshape(b, s, -1, d)
+        k = self.k_proj(x).reshape(b, s, -1, d)
+        v = self.v_proj(x).reshape(b, s, -1, d).swapaxes(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotate(q.swapaxes(1, 2), cos, sin)
+        k = rotate(k.swapaxes(1, 2), cos, sin)
+        if self.groups > 1:  # each key/value head serves `groups` consecutive query heads
+            k = ops.repeat_interleave(k, self.groups, 1)
+            v = ops.repeat_interleave(v, self.groups, 1)
+        out = attend(q, k, v, mask, self.scaling)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, -1))
+
+
+class MLAttention(nn.Cell):
+    """DeepSeek's multi-head latent attention (see MLAConfig). x [B, S, H] -> [B, S, H]."""
+
+    def __init__(self, config, hidden_size):
+        super().__init__()
+        a = config
+        qk_head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
+        if a.q_lora_rank is None:
+            self.q_proj = _dense(hidden_size, a.num_heads * qk_head_dim)
+        else:
+            self.q_a_proj = _dense(hidden_size, a.q_lora_rank, a.bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank)
+            self.q_b_proj = _dense(a.q_lora_rank, a.num_heads * qk_head_dim)
+        self.kv_a_proj_with_mqa = _dense(hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, a.bias)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank)
+        self.kv_b_proj = _dense(a.kv_lora_rank, a.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
+        self.o_proj = _dense(a.num_heads * a.v_head_dim, hidden_size, a.bias)
+        self.q_lora = a.q_lora_rank is not None
+        self.heads = a.num_heads
+        self.nope, self.rope, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        self.latent = a.kv_lora_rank
+        self.interleave = a.interleave
+        self.scaling = float(a.scaling)
+
+    def construct(self, x, cos, sin, mask):
+        b, s, _ = x.shape
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.reshape(b, s, self.heads, -1).swapaxes(1, 2)
+        q_nope, q_rot = ops.split(q, (self.nope, self.rope), -1)
+        latent, k_rot = ops.split(self.kv_a_proj_with_mqa(x), (self.latent, self.rope), -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
+        kv = kv.reshape(b, s, self.heads, -1).swapaxes(1, 2)
+        k_nope, v = ops.split(kv, (self.nope, self.v_dim), -1)
+        q_rot = rotate(q_rot, cos, sin, self.interleave)
+        k_rot = rotate(k_rot.reshape(b, 1, s, -1), cos, sin, self.interleave)  # one head, shared
+        q = ops.cat((q_nope, q_rot), -1)
+        k = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, self.heads, s, self.rope))), -1)
+        out = attend(q, k, v, mask, self.scaling)
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Cell):
+    """The dense SwiGLU feed-forward block: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size, intermediate_size):
+        super().__init__()
+        self.gate_proj = _dense(hidden_size, intermediate_size)
+        self.up_proj = _dense(hidden_size, intermediate_size)
+        self.down_proj = _dense(intermediate_size, hidden_size)
+
+    def construct(self, x):
+        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Cell):
+    """Pre-norm block: x + attention(norm(x)), then x + mlp(norm(x)), mlp a MoELayer or MLP."""
+
+    def __init__(self, config, index):
+        super().__init__()
+        h = config.hidden_size
+        attention = GQAttention if isinstance(config.attention, GQAConfig) else MLAttention
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.self_attn = attention(config.attention, h)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        if index in config.moe_layers:
+            self.mlp = MoELayer.from_config(config.moe)
+        else:
+            self.mlp = MLP(h, config.intermediate_size)
+
+    def construct(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
