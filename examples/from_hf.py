@@ -130,7 +130,11 @@ def main(argv=None):
                 if family == "mixtral" and layout == "per-expert":  # the Hub's name of the block
                     prefix = prefix.replace(".mlp.", ".block_sparse_moe.")
                 params = ms_moe_ops.convert_moe_checkpoint(state, prefix, "", family)
-                layer = ms_moe_ops.MoELayer.from_config(config)
+                layer = ms_moe_ops.MoELayer(config)
+                # the converted weights, and the layer's own routing statistics (zeros: no token
+                # routed yet), which a checkpoint does not hold: a complete load warns of nothing
+                params.update({name: p.asnumpy() for name, p in layer.parameters_and_names()
+                               if name not in params})
                 ms.load_param_into_net(layer, {k: Parameter(Tensor(v), name=k)
                                                for k, v in params.items()}, strict_load=True)
                 out = layer(Tensor(x)).asnumpy()

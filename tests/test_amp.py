@@ -95,6 +95,7 @@ class _TwoLayers(nn.Cell):
 
 @pytest.mark.parametrize("amp_dtype", list(AMP_DTYPES))
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.slow_in_graph
 def test_router_stays_float32(level, amp_dtype, mode, rng):
     router = _with_weights(GatingTopK(8, 8, 2, n_group=2, topk_group=1, routed_scaling_factor=2.5))
     # (GRAPH mode casts the inputs of a lowered net: values the AMP dtype holds exactly)
@@ -112,6 +113,7 @@ def test_router_stays_float32(level, amp_dtype, mode, rng):
 # O3 lowers as O2 does (to_float on the net); float16 and bfloat16 take the same casts
 @pytest.mark.parametrize("level,amp_dtype", [("O1", "bfloat16"), ("O2", "float16"),
                                              ("O2", "bfloat16"), ("to_float", "bfloat16")])
+@pytest.mark.slow_in_graph
 def test_moe_net_forward_and_gradients(level, amp_dtype, mode, rng):
     dtype = AMP_DTYPES[amp_dtype]
     lowered = level != "O1"
@@ -145,6 +147,7 @@ def test_moe_net_forward_and_gradients(level, amp_dtype, mode, rng):
 
 @pytest.mark.parametrize("amp_dtype", list(AMP_DTYPES))
 @pytest.mark.parametrize("level", ["O2", "to_float"])
+@pytest.mark.slow_in_graph
 def test_moe_ffn_computes_in_the_amp_dtype(level, amp_dtype, mode, rng):
     ffn = _with_weights(MoeFFN(4, 8, 5, activation="swiglu", has_bias=True))
     x = rounded(rng.normal(0, 1, (7, 8)), amp_dtype).astype(np.float32)
@@ -158,6 +161,7 @@ def test_moe_ffn_computes_in_the_amp_dtype(level, amp_dtype, mode, rng):
 
 
 @pytest.mark.parametrize("amp_dtype", list(AMP_DTYPES))
+@pytest.mark.slow_in_graph
 def test_training_steps(amp_dtype, mode, rng):
     net = ms.amp.auto_mixed_precision(_with_weights(_TwoLayers()), "O2", AMP_DTYPES[amp_dtype])
     x = tensor(rng.normal(0, 1, (16, 8)).astype(np.float32))
@@ -169,6 +173,7 @@ def test_training_steps(amp_dtype, mode, rng):
     assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow_in_graph
 def test_o1_keeps_the_cells_and_honours_their_own_dtype(mode, rng):
     x = rounded(rng.normal(0, 1, (6, 8)), "bfloat16").astype(np.float32)
     plain = _with_weights(_TwoLayers())
@@ -185,6 +190,7 @@ def test_o1_keeps_the_cells_and_honours_their_own_dtype(mode, rng):
 
 
 @pytest.mark.parametrize("param_dtype", ["float16", "bfloat16"])
+@pytest.mark.slow_in_graph
 def test_half_precision_parameters(param_dtype, mode, rng):
     layer = _with_weights(MoELayer(8, 6, 4, 2, n_shared_experts=1))
     reference = _with_weights(MoELayer(8, 6, 4, 2, n_shared_experts=1))

@@ -101,6 +101,7 @@ def _copy_parameters(src, dst):
                           routed_scaling_factor=f(1.5), n_shared_experts=i(1),
                           shared_ffn_hidden_size=i(4)),
 ], ids=["GatingTopK", "MoeFFN", "MoELayer"])
+@pytest.mark.slow_in_graph
 def test_cells_take_numpy_scalars(make, mode, rng):
     plain = make(int, float)
     cell = make(np.int64, np.float32)

@@ -50,6 +50,7 @@ def test_moe_layer(shape, dtype, error, message, mode):
     _raises(error, message, MoELayer(**LAYER, n_shared_experts=1), _input(shape, dtype), mode=mode)
 
 
+@pytest.mark.slow_in_graph
 def test_moe_layer_still_takes_both_layouts_and_every_float_dtype(mode):
     layer = MoELayer(**LAYER)
     for shape in ((5, 64), (2, 3, 64)):

@@ -240,6 +240,7 @@ def test_moe_ffn_cell(rng):
 
 
 @pytest.mark.parametrize("layout", ["T,H", "B,S,H"])
+@pytest.mark.slow
 def test_training_one_compilation(layout, rng):
     """TrainOneStepCell over token counts that change every step (zero tokens too): one
     compilation, and the same parameters as the steps run on static shapes in PyNative mode."""
@@ -268,6 +269,7 @@ def test_training_one_compilation(layout, rng):
     np.testing.assert_array_equal(load, expected_load)
 
 
+@pytest.mark.slow
 def test_unknown_rank_after_another_dynamic_graph(rng):
     """An operator of unknown rank compiled after a dynamic-shape training graph in the same
     process: the call signature used to loop over a shape of unknown length, whose compiled form,

@@ -13,6 +13,7 @@ from cases import config, layer_grads, make_layer, params
 # -- one expert -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow_in_graph
 def test_one_expert_router_backward(mode, dtype, rng):
     # eps = 0.5 makes y = s * x_norm / (x_norm + eps) depend on x visibly
     x = rounded(rng.normal(0, 2, (6, 1)), dtype)
@@ -36,6 +37,7 @@ def test_one_expert_router_backward(mode, dtype, rng):
 
 @pytest.mark.parametrize("score_func,norm", [("sigmoid", True), ("sigmoid", False),
                                              ("softmax", True)])
+@pytest.mark.slow_in_graph
 def test_one_expert_router_cell_gradient(score_func, norm, mode, rng):
     router = GatingTopK(4, 1, 1, score_func=score_func, norm_topk_prob=norm,
                         routed_scaling_factor=2.0)
@@ -68,6 +70,7 @@ def test_one_expert_router_cell_gradient(score_func, norm, mode, rng):
     np.testing.assert_array_equal(router.load(), [5])
 
 
+@pytest.mark.slow_in_graph
 def test_one_expert_layer_trains(mode):
     # the case: MoELayer with one expert; its gradients against finite differences
     layer = make_layer(h=4, f=3, e=1, k=1, shared=1)
@@ -121,6 +124,7 @@ class _Sum(nn.Cell):
 # bfloat16 takes the most casts and reshapes; float32 the full layer too
 @pytest.mark.parametrize("name,dtype", [(name, "bfloat16") for name in _empty_cases()]
                          + [("MoELayer", "float32")])
+@pytest.mark.slow_in_graph
 def test_zero_tokens(name, dtype, mode):
     make, args_of, shapes = _empty_cases()[name]
     cell = make()

@@ -48,6 +48,7 @@ def run_fresh(script, cwd):
 
 
 @cpu_only("the exported graph holds the CPU kernels")
+@pytest.mark.slow
 def test_mindir_runs_in_a_fresh_process(tmp_path, rng):
     ms.set_context(mode=ms.GRAPH_MODE)
     net = _net(rng)

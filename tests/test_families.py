@@ -74,7 +74,7 @@ def our_layer(block, config, **overrides):
     converted = convert_moe_checkpoint(state_dict_numpy(block), "", "", config.model_type)
     not_loaded, _ = ms.load_param_into_net(
         layer, {k: Parameter(Tensor(v), name=k) for k, v in converted.items()}, strict_load=True)
-    assert not_loaded == []  # the routing statistics too: a clean load
+    assert sorted(not_loaded) == ["router.aux_losses", "router.tokens_per_expert"]
     return layer
 
 
@@ -126,9 +126,7 @@ def compare(ours, theirs, family):
     assert_close(out, t_out)
     assert_close(gx, t_gx)
     expected = as_ours(t_gw, family)
-    # the converter's entries but the router's state (selection bias, routing statistics)
-    assert set(gw) == set(expected) - {"router.expert_bias", "router.tokens_per_expert",
-                                       "router.aux_losses"}
+    assert set(gw) == set(expected) - {"router.expert_bias"}
     for name in gw:
         assert np.abs(expected[name]).max() > 0, name
         assert_close(gw[name], expected[name], rtol=2e-5)
@@ -137,6 +135,7 @@ def compare(ours, theirs, family):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.slow_in_graph
 def test_matches_transformers(name, mode, rng):
     block, config = hf_block(name, rng)
     layer = our_layer(block, config)
@@ -154,6 +153,7 @@ def z_loss_torch(logits):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe-nonorm", "qwen2_moe"])
+@pytest.mark.slow_in_graph
 def test_losses_match_transformers(name, mode, rng):
     """Gradients with aux_loss_coeff and z_loss_coeff = torch autograd of the block's loss plus
     coeff * load_balancing_loss_func(router logits) plus coeff * z-loss."""

@@ -315,6 +315,7 @@ def test_backward_two_experts():
 
 @cpu_only("a data fault is found by this package's CPU kernels")
 @pytest.mark.parametrize("bad", [-1, 8, 2 ** 31 - 1])
+@pytest.mark.slow_in_graph
 def test_backward_index_out_of_range_is_a_clean_error(bad, mode):
     idx = SEED_IDX.copy()
     idx[2, 1] = bad
@@ -341,6 +342,7 @@ def test_whole_backward_bad_inputs(call, error, words):
 
 @cpu_only("a data fault is found by this package's CPU kernels")
 @pytest.mark.parametrize("norm_type", [0, 1])
+@pytest.mark.slow_in_graph
 def test_whole_backward_index_out_of_range_is_a_clean_error(norm_type, mode):
     idx = SEED_IDX.copy()
     idx[1, 0] = 8

@@ -29,6 +29,7 @@ SATURATING = [[1, INT64_MAX], [INT64_MAX, INT64_MAX], [INT64_MAX], [2 ** 62, 2 *
 
 @pytest.mark.parametrize("counts", SATURATING)
 @pytest.mark.parametrize("impl", ["kernel", "composition"])
+@pytest.mark.slow_in_graph
 def test_swiglu_counts_near_int64_max_keep_every_row(counts, impl, mode, rng, monkeypatch):
     if impl == "kernel" and _platform.device_target() != "CPU":
         pytest.skip("the CPU kernel")
@@ -64,6 +65,7 @@ def _swiglu_grouped(x, group_index):
 
 
 @kernel_checks
+@pytest.mark.slow_in_graph
 def test_swiglu_most_negative_count_is_a_data_fault(mode):
     gi = Tensor(np.array([INT64_MAX, -2 ** 63], np.int64))
     with pytest.raises(RuntimeError, match=r"ms_moe_ops.swiglu_group: group_index\[1\] = "
@@ -121,6 +123,7 @@ def _ffn_case(rng, m=6):
 
 
 @pytest.mark.parametrize("counts, cumulative", [([2, 3], False), ([2, 5], True), ([0, 0], False)])
+@pytest.mark.slow_in_graph
 def test_moe_ffn_counts_short_of_m_are_a_data_fault(counts, cumulative, mode, rng):
     if _platform.device_target() != "CPU":
         pytest.skip("the CPU kernel's data check")
@@ -158,6 +161,7 @@ def _exact_groups(x, w, group_list):
 
 
 @kernel_checks
+@pytest.mark.slow_in_graph
 def test_grouped_matmul_exact_cover_on_request(mode, rng):
     x = rng.normal(size=(5, 3)).astype(np.float32)
     w = rng.normal(size=(2, 3, 4)).astype(np.float32)

@@ -34,6 +34,7 @@ def reference_losses(layer, x, idx):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow_in_graph
 def test_losses_and_their_gradients(case, mode):
     options, shape = CASES[case]
     on = make_layer(seed=3, **options)
@@ -76,6 +77,7 @@ def test_losses_and_their_gradients(case, mode):
             np.testing.assert_array_equal(gw_on[name], gw_off[name])
 
 
+@pytest.mark.slow_in_graph
 def test_losses_are_off_by_default(mode):
     layer = make_layer()
     assert layer.router.loss_scaler is None
@@ -104,6 +106,7 @@ def test_scaler_backward(mode):
     np.testing.assert_array_equal(gl.asnumpy(), [0.5, 0.0, 2.0])
 
 
+@pytest.mark.slow_in_graph
 def test_bfloat16_input(mode):
     # [T, H]: MindSpore's CPU Reshape has no bfloat16 kernel in GRAPH mode, so a [B, S, H]
     # bfloat16 input does not compile there (with or without the losses)
@@ -140,6 +143,7 @@ def train_skewed_router(aux_loss_coeff, steps=30):
     return switch, imbalance
 
 
+@pytest.mark.slow
 def test_switch_loss_training_balances_the_load():
     switch, imbalance = train_skewed_router(1.0)
     assert len(set(switch)) > 10  # logged anew every step

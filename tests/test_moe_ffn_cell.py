@@ -123,6 +123,7 @@ def rounded_chain(x, w, rw, activation, clamp, dtype):
 
 @pytest.mark.parametrize("activation,has_bias,clamp", [("swiglu", True, 0.9), ("swiglu", False, 0.0),
                                                        ("gelu", True, 0.0)])
+@pytest.mark.slow_in_graph
 def test_gradients_match_finite_differences(activation, has_bias, clamp, mode):
     ffn = make_ffn(activation, has_bias, clamp)
     x, rw = data(seed=2)

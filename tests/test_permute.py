@@ -203,6 +203,7 @@ def test_bad_inputs(call, error, words):
 
 @cpu_only("a data fault is found by this package's CPU kernels")
 @pytest.mark.parametrize("bad", [-1, 4, 2 ** 31 - 1])
+@pytest.mark.slow_in_graph
 def test_permute_index_out_of_range_is_a_clean_error(bad, mode):
     idx = np.zeros((4, 2), np.int32)
     idx[3, 1] = bad
@@ -214,6 +215,7 @@ def test_permute_index_out_of_range_is_a_clean_error(bad, mode):
 @cpu_only("a data fault is found by this package's CPU kernels")
 @pytest.mark.parametrize("index", [[0, 1, 2, 3, 4, 5, 6, 8], [0, 1, 2, 3, -1, 5, 6, 7],
                                    [0, 1, 2, 3, 4, 5, 6, 6]])
+@pytest.mark.slow_in_graph
 def test_unpermute_bad_sorted_index_is_a_clean_error(index, mode):
     index = Tensor(np.array(index, np.int32))
     fn = lambda p, s, q: moe_token_unpermute(p, s, q)  # noqa: E731

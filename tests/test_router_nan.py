@@ -62,6 +62,7 @@ def test_softmax_nan_logit_makes_the_row_nan(impl, mode, rng):
 
 
 @pytest.mark.parametrize("mode_select", [0, 1])
+@pytest.mark.slow_in_graph
 def test_nan_in_groups_and_bias(mode_select, impl, mode, rng):
     x = rng.normal(size=(4, 16)).astype(np.float32)
     bias = np.zeros(16, np.float32)

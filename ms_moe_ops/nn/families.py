@@ -114,11 +114,11 @@ def convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, family, num_exper
     Returns:
         router.weight, router.expert_bias (zeros when the family has none), experts.weight1
         [E, H, 2I], experts.weight2 [E, I, H] and, with shared experts, shared_experts.weight1
-        [H, 2Is], shared_experts.weight2 [Is, H] (and shared_experts.gate [H]); the routing
-        statistics start afresh: router.tokens_per_expert [E] and router.aux_losses [3], zeros.
-        Every parameter of the layer: load it with `ms.load_param_into_net(layer,
-        {k: Parameter(Tensor(v), name=k) ...}, strict_load=True)`, which then has nothing to warn
-        about.
+        [H, 2Is], shared_experts.weight2 [Is, H] (and shared_experts.gate [H]): every parameter
+        of the layer but its routing statistics (router.tokens_per_expert, router.aux_losses),
+        which a fresh layer holds at zero. Load it with `ms.load_param_into_net(layer,
+        {k: Parameter(Tensor(v), name=k) ...}, strict_load=True)`; to load without MindSpore's
+        warning about those two, add the layer's own (`examples/from_hf.py` does).
     """
     if family not in FAMILIES:
         raise ValueError(f"convert_moe_checkpoint: family must be one of {sorted(FAMILIES)}, "
@@ -143,9 +143,7 @@ def convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, family, num_exper
                          f"'{src_prefix}gate.weight' has {e} rows")
     out = {"router.weight": router,
            "router.expert_bias": get(names.bias) if names.bias and has(names.bias) else
-           np.zeros(e, np.float32),
-           "router.tokens_per_expert": np.zeros(e, np.float32),
-           "router.aux_losses": np.zeros(3, np.float32)}
+           np.zeros(e, np.float32)}
     if has("experts.gate_up_proj"):
         gate_up, down = get("experts.gate_up_proj"), get("experts.down_proj")  # [E, 2I, H], [E, H, I]
         _check_fused(src_prefix, gate_up, down, e, h)
