@@ -144,10 +144,8 @@ MATRIX = [(soc, dtype, missing) for soc in SOCS for dtype in AMP for missing in 
           if (soc, dtype, missing) not in DEFAULT]
 
 
-# one in the default run (about a minute each), the other two in the full run
-@pytest.mark.parametrize("soc,dtype,missing", [pytest.param(*run, marks=() if run == DEFAULT[-1]
-                                                            else pytest.mark.slow)
-                                               for run in DEFAULT])
+@pytest.mark.slow  # half a minute to a minute and a half each: the full run's
+@pytest.mark.parametrize("soc,dtype,missing", DEFAULT)
 def test_every_family_trains_as_on_ascend(monkeypatch, tmp_path, soc, dtype, missing):
     _dry_run(monkeypatch, tmp_path, soc, dtype, missing)
 

@@ -335,6 +335,7 @@ _GOLDEN = {
 }
 
 
+@pytest.mark.slow_in_graph
 @pytest.mark.parametrize("name", sorted(GRADIENT_CASES))
 def test_composition_gradient(name, mode, rng):
     case, wrt, used = GRADIENT_CASES[name]
