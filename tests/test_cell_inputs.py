@@ -88,7 +88,8 @@ def _ffn_args(rows=6, width=8, counts=(2, 0, 4), counts_dtype=np.int64, x_dtype=
     (_ffn_args() + (_input((6, 1, 1)),), ValueError,
      "MoeFFN: 'row_weight' must be [M] or [M, 1], got shape [6, 1, 1]"),
 ], ids=["width", "rank", "dtype", "experts", "counts-dtype", "row-weight"])
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", ["swiglu",
+                                        pytest.param("gelu", marks=pytest.mark.slow_in_graph)])
 def test_experts(activation, args, error, message, mode):
     _raises(error, message, MoeFFN(3, 8, 5, activation=activation), *args, mode=mode)
 

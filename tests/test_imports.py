@@ -1,7 +1,7 @@
 """The package's import graph: no cycles, and each layer imports only those below it (ops <- nn
-<- parallel <- models <- convert; _compat and reference at the bottom), at module level: an import inside a function
-would hide a cycle from Python until that function runs. Read from the source, so it also holds
-for modules the tests do not import."""
+<- parallel <- models <- convert; _compat and reference at the bottom), at module level: an
+import inside a function would hide a cycle from Python until that function runs. Read from the
+source, so it also holds for modules the tests do not import."""
 import ast
 import os
 
@@ -35,8 +35,8 @@ def _imports(module, path, modules):
     package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
     with open(path) as f:
         tree = ast.parse(f.read())
-    functions = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 for n in ast.walk(f)}
+    functions = {id(n) for f in ast.walk(tree)
+                 if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(f)}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):

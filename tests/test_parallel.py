@@ -166,8 +166,9 @@ def _twins(**options):
 _ONE_RANK_DEFAULT = {("swiglu, gated shared", "float32", "graph"),
                      ("fastgelu, softmax, biases", "float32", "pynative"),
                      ("groups, clamp, losses", "bfloat16", "pynative")}
-ONE_RANK_RUNS = [pytest.param(case, dtype, mode, marks=() if (case, dtype, mode) in _ONE_RANK_DEFAULT
-                              else pytest.mark.slow, id=f"{mode}-{case}-{dtype}")
+ONE_RANK_RUNS = [pytest.param(case, dtype, mode, id=f"{mode}-{case}-{dtype}",
+                              marks=() if (case, dtype, mode) in _ONE_RANK_DEFAULT
+                              else pytest.mark.slow)
                  for case in ONE_RANK_CASES for dtype in ("float32", "bfloat16")
                  for mode in ("pynative", "graph")]
 
@@ -228,5 +229,6 @@ def test_workers_start_with_the_callers_interpreter(monkeypatch, tmp_path):
     msrun("script.py", workers=2, log_dir=str(tmp_path), env={"PATH": "/usr/bin:/bin"})
     assert started["cmd"][0] == sys.executable
     assert started["env"]["PATH"].split(os.pathsep) == [bin_dir, "/usr/bin", "/bin"]
-    assert launch.worker_path(f"/usr/bin{os.pathsep}{bin_dir}").split(os.pathsep) == [bin_dir, "/usr/bin"]
+    moved = launch.worker_path(f"/usr/bin{os.pathsep}{bin_dir}")
+    assert moved.split(os.pathsep) == [bin_dir, "/usr/bin"]
     assert launch.worker_path(None) == bin_dir

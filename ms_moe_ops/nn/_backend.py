@@ -20,7 +20,8 @@ def count(index, bins):
         flat = ops.concat((index.reshape(-1).astype(ms.float32),
                            ops.full((1,), -1.0, dtype=ms.float32)))
         return ops.histc(flat, bins, -0.5, bins - 0.5)
-    flat = ops.concat((index.reshape(-1).astype(ms.float32), ops.full((1,), bins, dtype=ms.float32)))
+    flat = ops.concat((index.reshape(-1).astype(ms.float32),
+                       ops.full((1,), bins, dtype=ms.float32)))
     ordered, _ = ops.sort(flat)
     edges = ops.searchsorted(ordered, ops.arange(bins + 1).astype(ms.float32))
     return (edges[1:] - edges[:-1]).astype(ms.float32)

@@ -36,7 +36,8 @@ class SharedExperts(SelfCastingCell):
 
     def __init__(self, config=None, *args, **options):
         super().__init__()
-        config = self.config = config_of("SharedExperts", SharedExpertsConfig, config, args, options)
+        config = self.config = config_of("SharedExperts", SharedExpertsConfig, config, args,
+                                         options)
         hidden_size = int_arg("SharedExperts", "hidden_size", config.hidden_size)
         ffn_hidden_size = int_arg("SharedExperts", "ffn_hidden_size", config.ffn_hidden_size)
         self.hidden_size = hidden_size

@@ -43,8 +43,9 @@ def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_ou
 
     The workers run on the caller's interpreter (its directory goes first on PATH, where msrun
     finds `python`: a virtual environment works without being activated) and import the same
-    ms_moe_ops as the caller (its directory goes first on PYTHONPATH); they run in `log_dir` (a new temporary directory by default; MindSpore writes its
-    rank_<n>/ dumps there) and log there as worker_<rank>.log; `script` is taken as absolute.
+    ms_moe_ops as the caller (its directory goes first on PYTHONPATH); they run in `log_dir` (a
+    new temporary directory by default; MindSpore writes its rank_<n>/ dumps there) and log
+    there as worker_<rank>.log; `script` is taken as absolute.
     `timeout` (seconds) bounds the whole job: past it, the launcher, the scheduler and every
     worker are ended by process group. Returns log_dir; raises LaunchError (with the logs' last
     lines) when the job fails or times out.
