@@ -51,8 +51,8 @@ def seed_of(nodeid):
     """A stable seed of its own for every test (from its id, so order and selection do not
     change the data a test sees). The instruction-set path is left out of the id: every path
     of a test sees the same data."""
-    nodeid = re.sub(r"\[(?:generic|avx2|avx512)\]|(?<=\[)(?:generic|avx2|avx512)-|"
-                    r"-(?:generic|avx2|avx512)(?=[-\]])", "", nodeid)
+    nodeid = re.sub(r"\[(?:generic|avx2|avxvnni|avx512|dotprod)\]|(?<=\[)(?:generic|avx2|avxvnni|avx512|dotprod)-|"
+                    r"-(?:generic|avx2|avxvnni|avx512|dotprod)(?=[-\]])", "", nodeid)
     return zlib.crc32(nodeid.encode())
 
 
