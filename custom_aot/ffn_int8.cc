@@ -2,9 +2,12 @@
 // the dequantise / activate / requantise step is fused into the first product's store and the
 // dequantise-to-output step into the second's.
 //
-// The products use vpdpbusd (AVX-512 VNNI), which multiplies UNSIGNED by signed bytes: x is fed
-// as x + 128 (a bit flip) and 128 * colsum(W) is subtracted afterwards, folded into the bias.
-// Integer sums wrap modulo 2^32 like the device's int32 accumulator, so the trick is exact.
+// The x86-64 products multiply UNSIGNED by signed bytes (vpdpbusd of AVX-512 VNNI and AVX-VNNI;
+// the avx2 path widens both to 16 bits for vpmaddwd, where u8 x s8 pairs cannot saturate): x is
+// fed as x + 128 (a bit flip) and 128 * colsum(W) is subtracted afterwards, folded into the bias.
+// aarch64 multiplies signed by signed (SDOT, or NEON's widening multiplies), so x is fed as it is.
+// Integer sums wrap modulo 2^32 like the device's int32 accumulator, so every path is exact and
+// all give the same integers.
 // The weights are repacked on every call (no cache that could go stale) into panels the 6 x 64
 // register tile streams; packing, conversion and the two products are one parallel region each.
 #include <algorithm>
@@ -12,8 +15,14 @@
 
 #include "ffn.h"
 
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
 // GCC 12 reports its own AVX-512 intrinsics (the `__Y = __Y` idiom) as maybe-uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace moe {
 inline namespace MOE_ISA_NS {
@@ -25,6 +34,14 @@ constexpr int kNR = 64;         // columns of a register tile (4 vectors of 16 i
 constexpr int64_t kRowChunk = 16 * kMR;  // rows of one parallel task
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// How x and the requantised hidden values are fed to the products: q ^ kFlip as a byte (x86-64:
+// unsigned q + 128; aarch64: signed q itself).
+#if defined(__aarch64__)
+constexpr uint8_t kFlip = 0;
+#else
+constexpr uint8_t kFlip = 0x80;
+#endif
 
 // A dequant scale as the device uses it: only the top 19 bits of the float32 survive.
 inline float truncated(uint32_t bits) {
@@ -87,6 +104,35 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
     _mm512_store_si512(sum + 16, s1);
     _mm512_store_si512(sum + 32, s2);
     _mm512_store_si512(sum + 48, s3);
+#elif defined(__AVX2__)
+    // interior: two 4 x 32 byte transposes per step; column sums of 4 bytes per 32-bit lane
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    __m256i s8[8];
+    for (int i = 0; i < 8; ++i) s8[i] = _mm256_setzero_si256();
+    for (; q * 4 + 4 <= k; ++q, dst += kNR * 4)
+      for (int half = 0; half < 2; ++half) {
+        const int8_t *r = b + q * 4 * n + c0 + half * 32;
+        const __m256i r0 = _mm256_loadu_si256((const __m256i *)r);
+        const __m256i r1 = _mm256_loadu_si256((const __m256i *)(r + n));
+        const __m256i r2 = _mm256_loadu_si256((const __m256i *)(r + 2 * n));
+        const __m256i r3 = _mm256_loadu_si256((const __m256i *)(r + 3 * n));
+        const __m256i t0 = _mm256_unpacklo_epi8(r0, r1), t1 = _mm256_unpackhi_epi8(r0, r1);
+        const __m256i t2 = _mm256_unpacklo_epi8(r2, r3), t3 = _mm256_unpackhi_epi8(r2, r3);
+        // u_j, 128-bit lane l: columns 16 l + 4 j .. + 3, each as 4 consecutive k
+        const __m256i u0 = _mm256_unpacklo_epi16(t0, t2), u1 = _mm256_unpackhi_epi16(t0, t2);
+        const __m256i u2 = _mm256_unpacklo_epi16(t1, t3), u3 = _mm256_unpackhi_epi16(t1, t3);
+        const __m256i o[4] = {_mm256_permute2x128_si256(u0, u1, 0x20),
+                              _mm256_permute2x128_si256(u2, u3, 0x20),
+                              _mm256_permute2x128_si256(u0, u1, 0x31),
+                              _mm256_permute2x128_si256(u2, u3, 0x31)};
+        for (int i = 0; i < 4; ++i) {
+          _mm256_storeu_si256((__m256i *)(dst + half * 128 + i * 32), o[i]);
+          // (1 x |byte| pairs never saturate 16 bits)
+          s8[half * 4 + i] = _mm256_add_epi32(
+              s8[half * 4 + i], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, o[i]), ones16));
+        }
+      }
+    for (int i = 0; i < 8; ++i) _mm256_store_si256((__m256i *)(sum + i * 8), s8[i]);
 #else
     for (; q * 4 + 4 <= k; ++q, dst += kNR * 4) {
       const int8_t *r0 = b + q * 4 * n + c0, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
@@ -109,9 +155,10 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
         dst[j * 4 + t] = v;
         sum[j] += v;
       }
+  const uint32_t correction = kFlip ? 128u : 0u;
   for (int64_t j = 0; j < kNR && c0 + j < n; ++j)
     bias_out[j] = static_cast<int32_t>((bias ? static_cast<uint32_t>(bias[c0 + j]) : 0u) -
-                                       128u * static_cast<uint32_t>(sum[j]));
+                                       correction * static_cast<uint32_t>(sum[j]));
 }
 
 // Scratch memory kept between calls, one set per calling thread: fresh buffers the size of the
@@ -176,6 +223,101 @@ void tile(const uint8_t *const *a, const int8_t *b, int64_t k4, int32_t (*acc)[k
   _mm512_storeu_si512(acc[r] + 48, c##r##3);
   MOE_ROW(0) MOE_ROW(1) MOE_ROW(2) MOE_ROW(3) MOE_ROW(4) MOE_ROW(5)
 #undef MOE_ROW
+#elif defined(__AVXVNNI__)
+  // vpdpbusd on 8 columns x 4 k per vector: 3 rows x 32 columns at a time (12 accumulators;
+  // the panel is read from memory by the instruction itself)
+  for (int half = 0; half < 2; ++half)
+    for (int r0 = 0; r0 < kMR; r0 += 3) {
+      __m256i c[3][4];
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j) c[r][j] = _mm256_setzero_si256();
+      for (int64_t q = 0; q < k4; ++q) {
+        const int8_t *bq = b + q * kNR * 4 + half * 128;
+        for (int r = 0; r < 3; ++r) {
+          int32_t four;
+          std::memcpy(&four, a[r0 + r] + q * 4, 4);
+          const __m256i av = _mm256_set1_epi32(four);
+          for (int j = 0; j < 4; ++j)
+            c[r][j] = _mm256_dpbusd_avx_epi32(c[r][j], av,
+                                              _mm256_loadu_si256((const __m256i *)(bq + j * 32)));
+        }
+      }
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j)
+          _mm256_storeu_si256((__m256i *)(acc[r0 + r] + half * 32 + j * 8), c[r][j]);
+    }
+#elif defined(__AVX2__)
+  // No byte dot product: a and b widened to 16 bits, vpmaddwd sums k pairs into 32 bits (exact:
+  // |a b| < 2^15). Per 4 columns a vector holds 2 partial sums each, added at the end. 3 rows x
+  // 16 columns at a time (12 accumulators); a's rows are widened once per call.
+  thread_local std::vector<int16_t> wide;
+  wide.resize(static_cast<size_t>(kMR) * k4 * 4);
+  for (int r = 0; r < kMR; ++r)
+    for (int64_t i = 0; i < k4 * 4; ++i) wide[r * k4 * 4 + i] = a[r][i];
+  for (int quarter = 0; quarter < 4; ++quarter)
+    for (int r0 = 0; r0 < kMR; r0 += 3) {
+      __m256i c[3][4];
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j) c[r][j] = _mm256_setzero_si256();
+      const int16_t *w0 = wide.data() + r0 * k4 * 4;
+      for (int64_t q = 0; q < k4; ++q) {
+        const int8_t *bq = b + q * kNR * 4 + quarter * 64;
+        __m256i av[3];
+        for (int r = 0; r < 3; ++r) {
+          int64_t four;
+          std::memcpy(&four, w0 + r * k4 * 4 + q * 4, 8);
+          av[r] = _mm256_set1_epi64x(four);
+        }
+        for (int j = 0; j < 4; ++j) {
+          const __m256i bv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(bq + j * 16)));
+          for (int r = 0; r < 3; ++r) c[r][j] = _mm256_add_epi32(c[r][j], _mm256_madd_epi16(av[r], bv));
+        }
+      }
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; j += 2) {  // pair sums -> columns in order (see the lane layout)
+          const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[r][j], c[r][j + 1]), 0xD8);
+          _mm256_storeu_si256((__m256i *)(acc[r0 + r] + quarter * 16 + j * 4), sums);
+        }
+    }
+#elif defined(__ARM_FEATURE_DOTPROD)
+  // SDOT on 4 columns x 4 k per vector (signed bytes): 3 rows x 16 columns at a time
+  for (int quarter = 0; quarter < 4; ++quarter)
+    for (int r0 = 0; r0 < kMR; r0 += 3) {
+      int32x4_t c[3][4];
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j) c[r][j] = vdupq_n_s32(0);
+      for (int64_t q = 0; q < k4; ++q) {
+        const int8_t *bq = b + q * kNR * 4 + quarter * 64;
+        const int8x16_t bv[4] = {vld1q_s8(bq), vld1q_s8(bq + 16), vld1q_s8(bq + 32), vld1q_s8(bq + 48)};
+        for (int r = 0; r < 3; ++r) {
+          int32_t four;
+          std::memcpy(&four, a[r0 + r] + q * 4, 4);
+          const int8x16_t av = vreinterpretq_s8_s32(vdupq_n_s32(four));
+          for (int j = 0; j < 4; ++j) c[r][j] = vdotq_s32(c[r][j], bv[j], av);
+        }
+      }
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j) vst1q_s32(acc[r0 + r] + quarter * 16 + j * 4, c[r][j]);
+    }
+#elif defined(__aarch64__)
+  // NEON without the dot product: 8 x 8 -> 16-bit products (exact), pairwise added into 32 bits
+  for (int r = 0; r < kMR; ++r)
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      int32x4_t lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) lo[j] = hi[j] = vdupq_n_s32(0);
+      for (int64_t q = 0; q < k4; ++q) {
+        const int8_t *bq = b + q * kNR * 4 + quarter * 64;
+        int32_t four;
+        std::memcpy(&four, a[r] + q * 4, 4);
+        const int8x16_t av = vreinterpretq_s8_s32(vdupq_n_s32(four));
+        for (int j = 0; j < 4; ++j) {
+          const int8x16_t bv = vld1q_s8(bq + j * 16);
+          lo[j] = vpadalq_s16(lo[j], vmull_s8(vget_low_s8(av), vget_low_s8(bv)));
+          hi[j] = vpadalq_s16(hi[j], vmull_high_s8(av, bv));
+        }
+      }
+      for (int j = 0; j < 4; ++j) vst1q_s32(acc[r] + quarter * 16 + j * 4, vpaddq_s32(lo[j], hi[j]));
+    }
 #else
   // Portable version of the same arithmetic (uint32 sums wrap like the instruction's).
   for (int r = 0; r < kMR; ++r) {
@@ -277,6 +419,54 @@ inline __m512 activate_ps(Activation act, __m512 x) {
     default: return x;
   }
 }
+#elif defined(__AVX2__)
+// The same for 8 lanes (2^n built in the exponent bits: n is within [-126, 127] after the clamp).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline __m256 sigmoid_ps(__m256 z) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+}
+
+inline __m256 activate_ps(Activation act, __m256 x) {
+  switch (act) {
+    case Activation::kFastGelu: return _mm256_mul_ps(x, sigmoid_ps(_mm256_mul_ps(_mm256_set1_ps(1.702f), x)));
+    case Activation::kGelu: {
+      const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      const __m256 in = _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x);
+      return _mm256_mul_ps(x, sigmoid_ps(_mm256_mul_ps(_mm256_set1_ps(1.59576912f), in)));
+    }
+    case Activation::kRelu: return _mm256_max_ps(x, _mm256_setzero_ps());
+    case Activation::kSilu: return _mm256_mul_ps(x, sigmoid_ps(x));
+    default: return x;
+  }
+}
+
+// 8 values of the requantising store (see requantise); returns q ^ kFlip as 8 bytes.
+inline __m128i requantise8(__m256i sum, __m256 deq, Activation act, float s, float o) {
+  __m256 v = _mm256_fmadd_ps(activate_ps(act, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), deq)),
+                             _mm256_set1_ps(s), _mm256_set1_ps(o));
+  v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));  // NaN -> 0
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-128.f)), _mm256_set1_ps(127.f));
+  const __m256i q = _mm256_cvtps_epi32(v);  // (round half to even: the default rounding mode)
+  const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  return _mm_xor_si128(_mm_packs_epi16(q16, q16), _mm_set1_epi8(static_cast<char>(kFlip)));
+}
 #endif
 
 // One row of the first product's store: dst[j] = q + 128 with
@@ -294,14 +484,33 @@ inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq
     v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);  // NaN -> 0
     v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.f)), _mm512_set1_ps(127.f));
     const __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm512_mask_cvtepi32_storeu_epi8(dst + j, m, _mm512_xor_si512(q, _mm512_set1_epi32(0x80)));
+    _mm512_mask_cvtepi32_storeu_epi8(dst + j, m, _mm512_xor_si512(q, _mm512_set1_epi32(kFlip)));
+  }
+#elif defined(__AVX2__)
+  for (; j + 8 <= cols; j += 8) {
+    const __m256i sum = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(acc + j)),
+                                         _mm256_loadu_si256((const __m256i *)(bias + j)));
+    _mm_storel_epi64((__m128i *)(dst + j), requantise8(sum, _mm256_loadu_ps(deq + j), act, s, o));
+  }
+  if (j < cols) {  // the last columns through the same vector code (every value alike)
+    alignas(32) int32_t sums[8] = {};
+    alignas(32) float d[8] = {};
+    alignas(16) uint8_t out[16];
+    for (int t = 0; j + t < cols; ++t) {
+      sums[t] = static_cast<int32_t>(static_cast<uint32_t>(acc[j + t]) + static_cast<uint32_t>(bias[j + t]));
+      d[t] = deq[j + t];
+    }
+    _mm_storeu_si128((__m128i *)out, requantise8(_mm256_load_si256((const __m256i *)sums),
+                                                 _mm256_load_ps(d), act, s, o));
+    std::memcpy(dst + j, out, cols - j);
+    j = cols;
   }
 #endif
   for (; j < cols; ++j) {
     const int32_t sum = static_cast<int32_t>(static_cast<uint32_t>(acc[j]) +
                                              static_cast<uint32_t>(bias[j]));
     const float hv = static_cast<float>(sum) * deq[j];
-    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ 0x80);
+    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ kFlip);
   }
 }
 
@@ -355,13 +564,13 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
   const std::vector<float> dq1 = deq_scales(a.dq1), dq2 = deq_scales(a.dq2);
   const bool parallel = m * h * f >= kParallelWork;
 
-  // x + 128 as unsigned bytes; the rows of x and of q are padded to a multiple of 4 with zeros
-  // (they meet the zero padding of the packed weights).
+  // x ^ kFlip (x + 128 as unsigned bytes on x86-64); the rows of x and of q are padded to a
+  // multiple of 4 with zeros (they meet the zero padding of the packed weights).
   uint8_t *xu = scratch<uint8_t>(kXSlot, m * hp), *qu = scratch<uint8_t>(kQSlot, m * fp);
   const int8_t *x = a.x.as<int8_t>();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t k = 0; k < h; ++k) xu[i * hp + k] = static_cast<uint8_t>(x[i * h + k] ^ 0x80);
+    for (int64_t k = 0; k < h; ++k) xu[i * hp + k] = static_cast<uint8_t>(x[i * h + k] ^ kFlip);
     std::fill(xu + i * hp + h, xu + (i + 1) * hp, 0);
     std::fill(qu + i * fp + f, qu + (i + 1) * fp, 0);
   }
