@@ -239,23 +239,35 @@ def dtype(request):
 # call. GRAPH-mode cases run the same kernels, so they run on the best path only.
 
 def isa_paths():
-    """The instruction-set paths the kernel library offers on this CPU, lowest first."""
+    """The instruction-set paths the kernel library offers on this CPU, lowest first ([] when
+    the kernels cannot run here: every operator then runs as its composition)."""
     import ctypes
-    from ms_moe_ops.ops._impls import kernel_library
+    from ms_moe_ops.ops._impls import kernel_library, kernel_library_missing
 
+    if kernel_library_missing():
+        return []
     lib = ctypes.CDLL(kernel_library())
     lib.MsMoeOpsIsaPaths.restype = ctypes.c_char_p
     return lib.MsMoeOpsIsaPaths().decode().split()
 
 
+def needs_kernels():
+    """Skip marker for tests of the CPU kernel library itself (its ABI, paths, builds): says why
+    the library cannot run here when it cannot."""
+    from ms_moe_ops.ops._impls import kernel_library_missing
+
+    why = kernel_library_missing() if DEVICE == "CPU" else "CPU only"
+    return pytest.mark.skipif(bool(why), reason=f"needs the CPU kernel library: {why}")
+
+
 def pytest_generate_tests(metafunc):
     marked = metafunc.definition.get_closest_marker
-    if DEVICE == "CPU" and marked("every_isa") and not marked("best_isa_only"):
+    if DEVICE == "CPU" and marked("every_isa") and not marked("best_isa_only") and isa_paths():
         metafunc.parametrize("isa", isa_paths(), indirect=True)
 
 
 def pytest_collection_modifyitems(config, items):
-    if DEVICE != "CPU":
+    if DEVICE != "CPU" or not isa_paths():
         return
     best = isa_paths()[-1]
     keep, drop = [], []
