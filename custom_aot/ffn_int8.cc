@@ -43,6 +43,18 @@ constexpr uint8_t kFlip = 0;
 constexpr uint8_t kFlip = 0x80;
 #endif
 
+// Elements of the products' operands: bytes, or on the avx2 path (no byte dot product) both
+// widened to 16 bits once, when they are stored (rows of x and of the hidden values: Row; packed
+// weight panels: Panel).
+#if defined(__AVX2__) && !defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
+#define MOE_INT8_WIDE 1
+using Row = int16_t;
+using Panel = int16_t;
+#else
+using Row = uint8_t;
+using Panel = int8_t;
+#endif
+
 // A dequant scale as the device uses it: only the top 19 bits of the float32 survive.
 inline float truncated(uint32_t bits) {
   bits &= 0xFFFFE000u;
@@ -70,7 +82,7 @@ std::vector<float> deq_scales(const Arg &d) {
 // c0..c0+kNR as [K/4][kNR][4], K and N zero-padded. Also writes the panel's columns of
 // bias - 128 * colsum(B) (the correction for feeding x + 128), bias may be null.
 void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t *bias,
-                int8_t *dst, int32_t *bias_out) {
+                Panel *dst, int32_t *bias_out) {
   alignas(64) int32_t sum[kNR] = {};
   int64_t q = 0;
   if (c0 + kNR <= n) {
@@ -126,7 +138,13 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
                               _mm256_permute2x128_si256(u0, u1, 0x31),
                               _mm256_permute2x128_si256(u2, u3, 0x31)};
         for (int i = 0; i < 4; ++i) {
-          _mm256_storeu_si256((__m256i *)(dst + half * 128 + i * 32), o[i]);
+          Panel *d = dst + half * 128 + i * 32;
+#if defined(MOE_INT8_WIDE)
+          _mm256_storeu_si256((__m256i *)d, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o[i])));
+          _mm256_storeu_si256((__m256i *)(d + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o[i], 1)));
+#else
+          _mm256_storeu_si256((__m256i *)d, o[i]);
+#endif
           // (1 x |byte| pairs never saturate 16 bits)
           s8[half * 4 + i] = _mm256_add_epi32(
               s8[half * 4 + i], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, o[i]), ones16));
@@ -180,18 +198,18 @@ T *scratch(Slot slot, int64_t n) {
 // (N entries) holds the corrected bias.
 struct PackedWeights {
   int64_t k, n, k4, panels;
-  int8_t *data;  // written only for the experts that have rows
+  Panel *data;  // written only for the experts that have rows
   std::vector<int32_t> bias;
 
   PackedWeights(Slot slot, int64_t e, int64_t k_, int64_t n_)
       : k(k_), n(n_), k4((k_ + 3) / 4), panels((n_ + kNR - 1) / kNR),
-        data(scratch<int8_t>(slot, e * panels * k4 * kNR * 4)), bias(e * n_) {}
-  const int8_t *panel(int64_t e, int64_t p) const { return data + (e * panels + p) * k4 * kNR * 4; }
-  int8_t *panel(int64_t e, int64_t p) { return data + (e * panels + p) * k4 * kNR * 4; }
+        data(scratch<Panel>(slot, e * panels * k4 * kNR * 4)), bias(e * n_) {}
+  const Panel *panel(int64_t e, int64_t p) const { return data + (e * panels + p) * k4 * kNR * 4; }
+  Panel *panel(int64_t e, int64_t p) { return data + (e * panels + p) * k4 * kNR * 4; }
 };
 
 // acc[r][j] = sum_k a_r[k] * B[k, panel column j] for kMR rows (unsigned a, K padded to 4).
-void tile(const uint8_t *const *a, const int8_t *b, int64_t k4, int32_t (*acc)[kNR]) {
+void tile(const Row *const *a, const Panel *b, int64_t k4, int32_t (*acc)[kNR]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   // Named accumulators: GCC spills an array of vectors to the stack on every step.
   static_assert(kMR == 6 && kNR == 64, "the register tile below is 6 x 64");
@@ -246,39 +264,49 @@ void tile(const uint8_t *const *a, const int8_t *b, int64_t k4, int32_t (*acc)[k
         for (int j = 0; j < 4; ++j)
           _mm256_storeu_si256((__m256i *)(acc[r0 + r] + half * 32 + j * 8), c[r][j]);
     }
-#elif defined(__AVX2__)
-  // No byte dot product: a and b widened to 16 bits, vpmaddwd sums k pairs into 32 bits (exact:
-  // |a b| < 2^15). Per 4 columns a vector holds 2 partial sums each, added at the end. 3 rows x
-  // 16 columns at a time (12 accumulators); a's rows are widened once per call.
-  thread_local std::vector<int16_t> wide;
-  wide.resize(static_cast<size_t>(kMR) * k4 * 4);
-  for (int r = 0; r < kMR; ++r)
-    for (int64_t i = 0; i < k4 * 4; ++i) wide[r * k4 * 4 + i] = a[r][i];
-  for (int quarter = 0; quarter < 4; ++quarter)
-    for (int r0 = 0; r0 < kMR; r0 += 3) {
-      __m256i c[3][4];
-      for (int r = 0; r < 3; ++r)
-        for (int j = 0; j < 4; ++j) c[r][j] = _mm256_setzero_si256();
-      const int16_t *w0 = wide.data() + r0 * k4 * 4;
-      for (int64_t q = 0; q < k4; ++q) {
-        const int8_t *bq = b + q * kNR * 4 + quarter * 64;
-        __m256i av[3];
-        for (int r = 0; r < 3; ++r) {
-          int64_t four;
-          std::memcpy(&four, w0 + r * k4 * 4 + q * 4, 8);
-          av[r] = _mm256_set1_epi64x(four);
+#elif defined(MOE_INT8_WIDE)
+  // No byte dot product: a and b held as 16-bit values, vpmaddwd sums k pairs into 32 bits
+  // (exact: |a b| < 2^15). Per 4 columns a vector holds 2 partial sums each, added at the end.
+  // 2 rows x 16 columns at a time: 8 named accumulators, so that nothing spills to the stack
+  // (with 12, GCC spills on every step). The panel is walked in blocks of kBlock k-quads whose
+  // 16 columns (8 KiB) stay in L1 while the three row pairs use them; the partial sums wait in
+  // `part` between blocks.
+  constexpr int64_t kBlock = 64;
+  __m256i part[kMR][16];
+  for (auto &row : part)
+    for (__m256i &v : row) v = _mm256_setzero_si256();
+  for (int64_t q0 = 0; q0 < k4; q0 += kBlock) {
+    const int64_t q1 = std::min(k4, q0 + kBlock);
+    for (int quarter = 0; quarter < 4; ++quarter)
+      for (int r0 = 0; r0 < kMR; r0 += 2) {
+        __m256i *p0 = part[r0] + quarter * 4, *p1 = part[r0 + 1] + quarter * 4;
+        __m256i c00 = p0[0], c01 = p0[1], c02 = p0[2], c03 = p0[3];
+        __m256i c10 = p1[0], c11 = p1[1], c12 = p1[2], c13 = p1[3];
+        const Row *a0 = a[r0], *a1 = a[r0 + 1];
+        const Panel *bq = b + q0 * kNR * 4 + quarter * 64;
+        for (int64_t q = q0; q < q1; ++q, bq += kNR * 4) {
+          int64_t four0, four1;
+          std::memcpy(&four0, a0 + q * 4, 8);
+          std::memcpy(&four1, a1 + q * 4, 8);
+          const __m256i x0 = _mm256_set1_epi64x(four0), x1 = _mm256_set1_epi64x(four1);
+#define MOE_COLS(j)                                                             \
+  {                                                                             \
+    const __m256i bv = _mm256_loadu_si256((const __m256i *)(bq + j * 16));      \
+    c0##j = _mm256_add_epi32(c0##j, _mm256_madd_epi16(x0, bv));                 \
+    c1##j = _mm256_add_epi32(c1##j, _mm256_madd_epi16(x1, bv));                 \
+  }
+          MOE_COLS(0) MOE_COLS(1) MOE_COLS(2) MOE_COLS(3)
+#undef MOE_COLS
         }
-        for (int j = 0; j < 4; ++j) {
-          const __m256i bv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(bq + j * 16)));
-          for (int r = 0; r < 3; ++r) c[r][j] = _mm256_add_epi32(c[r][j], _mm256_madd_epi16(av[r], bv));
-        }
+        p0[0] = c00, p0[1] = c01, p0[2] = c02, p0[3] = c03;
+        p1[0] = c10, p1[1] = c11, p1[2] = c12, p1[3] = c13;
       }
-      for (int r = 0; r < 3; ++r)
-        for (int j = 0; j < 4; j += 2) {  // pair sums -> columns in order (see the lane layout)
-          const __m256i sums = _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[r][j], c[r][j + 1]), 0xD8);
-          _mm256_storeu_si256((__m256i *)(acc[r0 + r] + quarter * 16 + j * 4), sums);
-        }
-    }
+  }
+  // pair sums -> columns in order: hadd gives c0 c1 c4 c5 | c2 c3 c6 c7 of two vectors
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < 16; v += 2)
+      _mm256_storeu_si256((__m256i *)(acc[r] + v * 4),
+                          _mm256_permute4x64_epi64(_mm256_hadd_epi32(part[r][v], part[r][v + 1]), 0xD8));
 #elif defined(__ARM_FEATURE_DOTPROD)
   // SDOT on 4 columns x 4 k per vector (signed bytes): 3 rows x 16 columns at a time
   for (int quarter = 0; quarter < 4; ++quarter)
@@ -354,7 +382,7 @@ std::vector<Task> tasks(const std::vector<int64_t> &offsets, int64_t panels) {
 // output element is computed by one task in a fixed order, so the result does not depend on
 // which thread runs which task: the dynamic schedule keeps the cores busy when they are shared.
 template <typename Store>
-void gemm(const uint8_t *a, int64_t lda, const std::vector<int64_t> &offsets,
+void gemm(const Row *a, int64_t lda, const std::vector<int64_t> &offsets,
           const PackedWeights &b, Store &&store) {
   const std::vector<Task> work = tasks(offsets, b.panels);
   const int64_t n = static_cast<int64_t>(work.size());
@@ -367,7 +395,7 @@ void gemm(const uint8_t *a, int64_t lda, const std::vector<int64_t> &offsets,
     const int cols = static_cast<int>(std::min<int64_t>(kNR, b.n - c0));
     for (int64_t i = w.r0; i < w.r1; i += kMR) {
       const int rows = static_cast<int>(std::min<int64_t>(kMR, w.r1 - i));
-      const uint8_t *rp[kMR];
+      const Row *rp[kMR];
       for (int r = 0; r < kMR; ++r) rp[r] = a + (i + std::min(r, rows - 1)) * lda;
       tile(rp, b.panel(w.e, w.p), b.k4, acc);
       store(w.e, i, c0, rows, cols, acc);
@@ -467,12 +495,21 @@ inline __m128i requantise8(__m256i sum, __m256 deq, Activation act, float s, flo
   const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
   return _mm_xor_si128(_mm_packs_epi16(q16, q16), _mm_set1_epi8(static_cast<char>(kFlip)));
 }
+
+// 8 such bytes stored as Rows (widened to 16 bits on the avx2 path).
+inline void store8(Row *dst, __m128i bytes) {
+#if defined(MOE_INT8_WIDE)
+  _mm_storeu_si128((__m128i *)dst, _mm_cvtepu8_epi16(bytes));
+#else
+  _mm_storel_epi64((__m128i *)dst, bytes);
+#endif
+}
 #endif
 
 // One row of the first product's store: dst[j] = q + 128 with
 // q = int8(rint(act(float(acc[j] + bias[j]) * deq[j]) * s + o)).
 inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq, int cols,
-                       Activation act, float s, float o, uint8_t *dst) {
+                       Activation act, float s, float o, Row *dst) {
   int j = 0;
 #if defined(__AVX512F__)
   for (; j < cols; j += 16) {
@@ -490,19 +527,18 @@ inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq
   for (; j + 8 <= cols; j += 8) {
     const __m256i sum = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(acc + j)),
                                          _mm256_loadu_si256((const __m256i *)(bias + j)));
-    _mm_storel_epi64((__m128i *)(dst + j), requantise8(sum, _mm256_loadu_ps(deq + j), act, s, o));
+    store8(dst + j, requantise8(sum, _mm256_loadu_ps(deq + j), act, s, o));
   }
   if (j < cols) {  // the last columns through the same vector code (every value alike)
     alignas(32) int32_t sums[8] = {};
     alignas(32) float d[8] = {};
-    alignas(16) uint8_t out[16];
+    alignas(32) Row out[16];
     for (int t = 0; j + t < cols; ++t) {
       sums[t] = static_cast<int32_t>(static_cast<uint32_t>(acc[j + t]) + static_cast<uint32_t>(bias[j + t]));
       d[t] = deq[j + t];
     }
-    _mm_storeu_si128((__m128i *)out, requantise8(_mm256_load_si256((const __m256i *)sums),
-                                                 _mm256_load_ps(d), act, s, o));
-    std::memcpy(dst + j, out, cols - j);
+    store8(out, requantise8(_mm256_load_si256((const __m256i *)sums), _mm256_load_ps(d), act, s, o));
+    std::memcpy(dst + j, out, (cols - j) * sizeof(Row));
     j = cols;
   }
 #endif
@@ -510,7 +546,7 @@ inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq
     const int32_t sum = static_cast<int32_t>(static_cast<uint32_t>(acc[j]) +
                                              static_cast<uint32_t>(bias[j]));
     const float hv = static_cast<float>(sum) * deq[j];
-    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ kFlip);
+    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ kFlip);  // (as a Row)
   }
 }
 
@@ -566,7 +602,7 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
 
   // x ^ kFlip (x + 128 as unsigned bytes on x86-64); the rows of x and of q are padded to a
   // multiple of 4 with zeros (they meet the zero padding of the packed weights).
-  uint8_t *xu = scratch<uint8_t>(kXSlot, m * hp), *qu = scratch<uint8_t>(kQSlot, m * fp);
+  Row *xu = scratch<Row>(kXSlot, m * hp), *qu = scratch<Row>(kQSlot, m * fp);
   const int8_t *x = a.x.as<int8_t>();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t i = 0; i < m; ++i) {
