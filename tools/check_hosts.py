@@ -28,7 +28,8 @@ Outputs compare (custom_aot/harness/kernel_cases.cc writes them):
   BLAS's summation order differ between paths); float16/bfloat16 within one unit in the last
   place of each element, or that bound.
 
-Cross builds are at -O1 (MS_MOE_OPS_OPT) with MS_MOE_OPS_REQUIRE_KERNELS=1, cached in --work.
+Cross builds are at -O1 (-O0 for macOS, which is linked, not run; MS_MOE_OPS_OPT) with
+MS_MOE_OPS_REQUIRE_KERNELS=1, cached in --work.
 Prerequisites: the package built in place, g++, pip access to PyPI, and per group:
 qemu-user (x86, aarch64), g++-aarch64-linux-gnu (aarch64), g++-mingw-w64-x86-64 and wine64
 (windows), the ziglang package and llvm (llvm-nm, llvm-objdump) (macos).
@@ -133,11 +134,11 @@ def foreign_blas(work, target):
 
 # -- builds -----------------------------------------------------------------------------------
 
-def cross_library(work, name, cxx, blas):
+def cross_library(work, name, cxx, blas, opt="-O1"):
     """custom_aot built through setup.py for another host (the same build as `pip install`
-    there), at -O1; returns the library's path."""
+    there, at -O1, or -O0 for a build that is only linked); returns the library's path."""
     out = os.path.join(work, name)
-    env = {"CXX": cxx, "MS_MOE_OPS_BLAS_DIR": blas, "MS_MOE_OPS_OPT": "-O1",
+    env = {"CXX": cxx, "MS_MOE_OPS_BLAS_DIR": blas, "MS_MOE_OPS_OPT": opt,
            "MS_MOE_OPS_REQUIRE_KERNELS": "1"}
     run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", out + "/lib",
          "--build-temp", out + "/temp"], env=env, cwd=ROOT)
@@ -367,7 +368,7 @@ def group_macos(work, ctx):
         blas = foreign_blas(work, f"{arch}-darwin")
         start = time.time()
         library = cross_library(work, f"macos_{arch}", f"{sys.executable} -m ziglang c++ -target "
-                                f"{arch}-macos", blas)
+                                f"{arch}-macos", blas, opt="-O0")
         name = f"macos {arch} (zig, link only)"
         problems = check_exports(name, library) + check_macho(name, library)
         runs.append((name, None, "", None, time.time() - start, problems))

@@ -3,12 +3,13 @@
 // README's benchmark shapes. For comparing builds; the benchmarks/ scripts compare against other
 // implementations.
 //
-//   time_kernels [--rounds N] [--only WORD] LABEL=LIBRARY[:PATH] ...
+//   time_kernels [--rounds N] [--only WORD] [--csv FILE] LABEL=LIBRARY[:PATH] ...
 //   time_kernels old=../main/ms_moe_ops/_kernels.so new=ms_moe_ops/_kernels.so
 //                new-avx2=ms_moe_ops/_kernels.so:avx2
 //
-// PATH sets MS_MOE_OPS_ISA for that contender's calls; --only keeps the cases whose name holds WORD. Prints each case's median time per
-// contender and its ratio to the first contender.
+// PATH sets MS_MOE_OPS_ISA for that contender's calls; --only keeps the cases whose name holds
+// WORD. Prints each case's median time per contender and its ratio to the first contender;
+// --csv also writes "case,contender,median_ms" rows (benchmarks/bench_isa.py reads them).
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -140,6 +141,7 @@ double seconds(harness::Library &lib, Case &c) {
 int main(int argc, char **argv) {
   int rounds = 7;
   std::string only;
+  FILE *csv = nullptr;
   std::vector<Contender> contenders;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -151,9 +153,15 @@ int main(int argc, char **argv) {
       only = argv[++i];
       continue;
     }
+    if (arg == "--csv" && i + 1 < argc) {
+      csv = std::fopen(argv[++i], "w");
+      if (!csv) return 2;
+      std::fprintf(csv, "case,contender,median_ms\n");
+      continue;
+    }
     const size_t eq = arg.find('='), colon = arg.rfind(':');
     if (eq == std::string::npos) {
-      std::fprintf(stderr, "usage: %s [--rounds N] [--only WORD] LABEL=LIBRARY[:PATH] ...\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--rounds N] [--only WORD] [--csv FILE] LABEL=LIBRARY[:PATH] ...\n", argv[0]);
       return 2;
     }
     const bool has_path = colon != std::string::npos && colon > eq;
@@ -181,10 +189,14 @@ int main(int argc, char **argv) {
       med.push_back(t[t.size() / 2] * 1e3);
     }
     std::printf("%-26s", c.name.c_str());
-    for (size_t i = 0; i < med.size(); ++i)
+    for (size_t i = 0; i < med.size(); ++i) {
       std::printf(" %8.2f %5.2fx", med[i], med[i] / med[0]);
+      if (csv) std::fprintf(csv, "%s,%s,%.4f\n", c.name.c_str(), contenders[i].label.c_str(), med[i]);
+    }
     std::printf("\n");
     std::fflush(stdout);
+    if (csv) std::fflush(csv);
   }
+  if (csv) std::fclose(csv);
   return 0;
 }
