@@ -251,13 +251,22 @@ def isa_paths():
     return lib.MsMoeOpsIsaPaths().decode().split()
 
 
-def needs_kernels():
-    """Skip marker for tests of the CPU kernel library itself (its ABI, paths, builds): says why
-    the library cannot run here when it cannot."""
+def kernels_missing():
+    """'' when this package's CPU kernels run here, else why not (not built, not on CPU, ...)."""
     from ms_moe_ops.ops._impls import kernel_library_missing
 
-    why = kernel_library_missing() if DEVICE == "CPU" else "CPU only"
-    return pytest.mark.skipif(bool(why), reason=f"needs the CPU kernel library: {why}")
+    return kernel_library_missing() if DEVICE == "CPU" else "CPU only"
+
+
+def needs_kernels(what="needs the CPU kernel library", other_devices_too=False):
+    """Skip marker for tests of what only the CPU kernels do on CPU (their ABI, paths, data
+    checks, exact roundings): says why they cannot run here when they cannot. On another device
+    the test is skipped too, unless other_devices_too (it then runs on that device's
+    implementations)."""
+    if DEVICE != "CPU":
+        return pytest.mark.skipif(not other_devices_too, reason=f"{what}: CPU only")
+    why = kernels_missing()
+    return pytest.mark.skipif(bool(why), reason=f"{what}: {why}")
 
 
 def pytest_generate_tests(metafunc):

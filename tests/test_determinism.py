@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from conftest import cpu_only
+from conftest import needs_kernels
 
 _SCRIPT = r'''
 import sys
@@ -80,7 +80,7 @@ def _outputs(threads, path):
     return dict(np.load(path))
 
 
-@cpu_only("the thread counts of this package's OpenMP kernels and OpenBLAS")
+@needs_kernels("the thread counts of this package's OpenMP kernels and OpenBLAS")
 def test_same_bits_whatever_the_thread_count(tmp_path):
     runs = {n: _outputs(n, str(tmp_path / f"threads{n}.npz")) for n in (1, 2, 3)}
     for name, one in runs[1].items():

@@ -18,7 +18,7 @@ from ms_moe_ops.ops.gating import GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_B
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
 from ms_moe_ops.ops.permute import PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD
-from conftest import tensor
+from conftest import kernels_missing, tensor
 
 A2, A3, S950 = _platform.A2, _platform.A3, _platform.ASCEND_950
 A2_GRAPH, A2_PYNATIVE = ("Ascend", A2, "graph", None), ("Ascend", A2, "pynative", None)
@@ -121,6 +121,8 @@ SELECTION = [
 @pytest.mark.parametrize("op,platform,signature,attrs,expected,why", SELECTION,
                          ids=[f"{s[0].name}-{'-'.join(s[1][:3])}-{s[4]}" for s in SELECTION])
 def test_selection(op, platform, signature, attrs, expected, why):
+    if expected == "kernel" and kernels_missing():
+        pytest.skip(f"the CPU kernel: {kernels_missing()}")
     assert choice(op, platform, signature, **attrs) == expected, why
 
 
@@ -151,6 +153,8 @@ def test_override_forces_the_composition_everywhere():
 
 
 def test_operator_without_the_forced_implementation_keeps_its_own():
+    if kernels_missing():
+        pytest.skip(f"the CPU kernel: {kernels_missing()}")
     op = _op.OpDef(name="kernel_only", inputs=("x",), outputs=("y",),
                    infer=lambda a, x: (x,), infer_dtype=lambda a, x: (x,),
                    impls=(kernel("Nothing"),))
