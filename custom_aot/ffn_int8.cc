@@ -410,81 +410,75 @@ inline int8_t saturate_int8(float v) {
   return static_cast<int8_t>(std::min(127.f, std::max(-128.f, r)));
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 // Vector versions of `activate` for the requantising store (the scalar calls to expf would cost
-// more than the matrix product). exp: Cephes' polynomial, within 2 ulp of expf.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 sigmoid_ps(__m512 z) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  return _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), z))));
-}
-
-inline __m512 activate_ps(Activation act, __m512 x) {
-  switch (act) {
-    case Activation::kFastGelu: return _mm512_mul_ps(x, sigmoid_ps(_mm512_mul_ps(_mm512_set1_ps(1.702f), x)));
-    case Activation::kGelu: {
-      const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-      const __m512 in = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x);
-      return _mm512_mul_ps(x, sigmoid_ps(_mm512_mul_ps(_mm512_set1_ps(1.59576912f), in)));
-    }
-    case Activation::kRelu: return _mm512_max_ps(x, _mm512_setzero_ps());
-    case Activation::kSilu: return _mm512_mul_ps(x, sigmoid_ps(x));
-    default: return x;
-  }
-}
-#elif defined(__AVX2__)
-// The same for 8 lanes (2^n built in the exponent bits: n is within [-126, 127] after the clamp).
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+// more than the matrix product), written once over the path's float vector (vf: 16 lanes of
+// AVX-512 or 8 of AVX2). exp: Cephes' polynomial, within 2 ulp of expf.
+#if defined(__AVX512F__)
+using vf = __m512;
+inline vf set1(float v) { return _mm512_set1_ps(v); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf rint(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf times_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+#else
+using vf = __m256;
+inline vf set1(float v) { return _mm256_set1_ps(v); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf rint(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n, n integral in [-126, 127] (after exp_ps's clamp): 2^n built in the exponent bits
+inline vf times_pow2(vf p, vf n) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
+#endif
 
-inline __m256 sigmoid_ps(__m256 z) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+inline vf exp_ps(vf x) {
+  x = min(max(x, set1(-87.f)), set1(88.f));
+  const vf n = rint(mul(x, set1(1.44269504f)));
+  vf r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  vf p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  p = fmadd(p, mul(r, r), add(r, set1(1.f)));
+  return times_pow2(p, n);
 }
 
-inline __m256 activate_ps(Activation act, __m256 x) {
+inline vf sigmoid_ps(vf z) {
+  const vf one = set1(1.f);
+  return div(one, add(one, exp_ps(mul(set1(-1.f), z))));
+}
+
+inline vf activate_ps(Activation act, vf x) {
   switch (act) {
-    case Activation::kFastGelu: return _mm256_mul_ps(x, sigmoid_ps(_mm256_mul_ps(_mm256_set1_ps(1.702f), x)));
+    case Activation::kFastGelu: return mul(x, sigmoid_ps(mul(set1(1.702f), x)));
     case Activation::kGelu: {
-      const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-      const __m256 in = _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x);
-      return _mm256_mul_ps(x, sigmoid_ps(_mm256_mul_ps(_mm256_set1_ps(1.59576912f), in)));
+      const vf in = fmadd(set1(0.044715f), mul(mul(x, x), x), x);
+      return mul(x, sigmoid_ps(mul(set1(1.59576912f), in)));
     }
-    case Activation::kRelu: return _mm256_max_ps(x, _mm256_setzero_ps());
-    case Activation::kSilu: return _mm256_mul_ps(x, sigmoid_ps(x));
+    case Activation::kRelu: return max(x, set1(0.f));
+    case Activation::kSilu: return mul(x, sigmoid_ps(x));
     default: return x;
   }
 }
+#endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
 // 8 values of the requantising store (see requantise); returns q ^ kFlip as 8 bytes.
 inline __m128i requantise8(__m256i sum, __m256 deq, Activation act, float s, float o) {
   __m256 v = _mm256_fmadd_ps(activate_ps(act, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), deq)),
