@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ms_moe_ops import moe_ffn, reference
-from conftest import (assert_close, assert_rounded, cpu_only, finite_diff, grad, kernels_missing,
+from conftest import (assert_close, assert_rounded, finite_diff, grad, kernels_missing,
                       needs_kernels, numpy, rounded, run, tensor)
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path

@@ -8,7 +8,7 @@ from mindspore import Tensor
 
 from ms_moe_ops import moe_ffn, reference
 from ms_moe_ops.nn import MoeFFN, QuantMoeFFN, quantize_moe_ffn
-from conftest import cpu_only, grad, needs_kernels, numpy, run, tensor
+from conftest import grad, needs_kernels, numpy, run, tensor
 
 # the kernels run under every instruction-set path; the int8 path has no composition
 pytestmark = [pytest.mark.every_isa, needs_kernels("on CPU the int8 path runs on the kernel only",

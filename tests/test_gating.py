@@ -7,8 +7,7 @@ from mindspore import Tensor, nn
 from ms_moe_ops import GatingTopK, moe_gating_top_k, moe_gating_top_k_backward
 from ms_moe_ops import reference as ref
 from ms_moe_ops.ops.gating import GATING_GRAD, GATING_SOFTMAX_BACKWARD
-from conftest import (assert_close, cpu_only, finite_diff, grad, needs_kernels, numpy, rounded, run,
-                      tensor)
+from conftest import assert_close, finite_diff, grad, needs_kernels, numpy, rounded, run, tensor
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
 

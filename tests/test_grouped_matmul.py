@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from ms_moe_ops import grouped_matmul, reference
-from conftest import (assert_close, assert_rounded, cpu_only, finite_diff, grad, needs_kernels,
-                      numpy, rounded, run, tensor)
+from conftest import (assert_close, assert_rounded, finite_diff, grad, needs_kernels, numpy,
+                      rounded, run, tensor)
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
 

@@ -8,8 +8,8 @@ from mindspore import Tensor, nn
 from ms_moe_ops import MoeFFN
 from ms_moe_ops import reference as ref
 from ms_moe_ops.reference import _moe_activation
-from conftest import (assert_close, assert_rounded, cpu_only, finite_diff, needs_kernels, numpy,
-                      rounded, tensor)
+from conftest import (assert_close, assert_rounded, finite_diff, needs_kernels, numpy, rounded,
+                      tensor)
 
 E, H, F = 4, 6, 5
 COUNTS = np.array([3, 0, 4, 2], np.int64)  # expert 1 gets no rows

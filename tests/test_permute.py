@@ -7,8 +7,8 @@ from mindspore import Tensor
 from ms_moe_ops import reference as ref
 from ms_moe_ops.ops.permute import (moe_token_permute, moe_token_unpermute,
                                     moe_token_unpermute_backward)
-from conftest import (assert_close, assert_rounded, cpu_only, finite_diff, grad, needs_kernels,
-                      numpy, rounded, run, tensor)
+from conftest import (assert_close, assert_rounded, finite_diff, grad, needs_kernels, numpy,
+                      rounded, run, tensor)
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
 

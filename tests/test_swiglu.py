@@ -7,8 +7,7 @@ import mindspore as ms
 import ms_moe_ops.reference as ref
 from ms_moe_ops.ops import swiglu_group, swiglu_group_quant_grad
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
-from conftest import (assert_close, cpu_only, finite_diff, grad, needs_kernels, numpy, rounded, run,
-                      tensor)
+from conftest import assert_close, finite_diff, grad, needs_kernels, numpy, rounded, run, tensor
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
 
