@@ -88,9 +88,10 @@ class Toolchain:
                      "clang" if "clang" in self.version.lower() else "gcc")
 
     def ask(self, *args):
-        try:
-            done = subprocess.run(self.command + list(args), capture_output=True, text=True,
-                                  timeout=120)
+        try:  # (in a scratch directory: zig's driver leaves an empty a.o behind)
+            with tempfile.TemporaryDirectory() as tmp:
+                done = subprocess.run(self.command + list(args), capture_output=True, text=True,
+                                      timeout=120, cwd=tmp)
         except (OSError, subprocess.SubprocessError) as e:
             raise NotBuilt(f"the C++ compiler '{shlex.join(self.command)}' does not run: {e}")
         if done.returncode != 0 or not done.stdout.strip():
