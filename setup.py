@@ -144,7 +144,7 @@ class Toolchain:
                 f.write(source)
             try:
                 done = subprocess.run(self.command + [*flags, src, "-o", exe, *link_flags],
-                                      capture_output=True, timeout=300)
+                                      capture_output=True, timeout=300, cwd=tmp)
             except (OSError, subprocess.SubprocessError):
                 return False
             return done.returncode == 0
