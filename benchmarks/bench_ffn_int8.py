@@ -3,10 +3,16 @@ x in, quantised on the fly), float32 moe_ffn, and numpy's float32 matmuls; plus 
 quantisation keeps at that size.
 
     python benchmarks/bench_ffn_int8.py [--m 4096 --h 1024 --f 2048 --e 8] [--runs 3]
+    python benchmarks/bench_ffn_int8.py --m 1024 --h 512 --f 1024 --e 8 --paths all
 
-GOP/s count the nominal products (4*M*H*F, int8 or float operations alike).
+GOP/s count the nominal products (4*M*H*F, int8 or float operations alike). --paths all (or a
+list such as avx2,avx512) times the int8 and the float32 moe_ffn on each instruction-set path this
+CPU runs, side by side: MS_MOE_OPS_ISA is read at every kernel call, so the paths take turns
+within this process, round after round.
 """
 import argparse
+import ctypes
+import os
 
 import mindspore as ms
 import numpy as np
@@ -14,7 +20,7 @@ from mindspore import Tensor, nn
 
 from ms_moe_ops import moe_ffn
 from ms_moe_ops.nn import MoeFFN, quantize_moe_ffn
-from common import timeit
+from common import timed_together, timeit
 
 ms.set_context(device_target="CPU", mode=ms.GRAPH_MODE)
 
@@ -39,6 +45,8 @@ def main():
     p.add_argument("--f", type=int, default=2048)
     p.add_argument("--e", type=int, default=8)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--paths", help="'all' or comma-separated instruction-set paths: int8 against "
+                                   "float32 on each, side by side")
     a = p.parse_args()
     m, h, f, e = a.m, a.h, a.f, a.e
     rng = np.random.default_rng(0)
@@ -62,6 +70,9 @@ def main():
     def timed(fn):
         return timeit(fn, repeat=a.runs, warmup=1)
 
+    if a.paths:
+        return per_path(a, lambda: int8_op(*int8_args).asnumpy(), lambda: cell(x_t, tokens).asnumpy())
+
     rows = [("moe_ffn int8 (x already int8)", timed(lambda: int8_op(*int8_args).asnumpy())),
             ("QuantMoeFFN (float x, quantised)", timed(lambda: quant(x_t, tokens).asnumpy())),
             ("moe_ffn float32 (MoeFFN Cell)", timed(lambda: cell(x_t, tokens).asnumpy())),
@@ -80,6 +91,35 @@ def main():
     cos = float((y_int8 * y_float).sum() / np.linalg.norm(y_int8) / np.linalg.norm(y_float))
     print(f"  QuantMoeFFN vs float32 MoeFFN on fresh unit-normal x: relative error {err:.3%}, "
           f"cosine {cos:.6f}")
+
+
+def per_path(a, int8_fn, float_fn):
+    """The int8 and the float32 moe_ffn on each path, in turns; int8's speed over float32's."""
+    from ms_moe_ops.ops._library import kernel_library  # pylint: disable=import-outside-toplevel
+
+    lib = ctypes.CDLL(kernel_library())
+    lib.MsMoeOpsIsaPaths.restype = ctypes.c_char_p
+    here = lib.MsMoeOpsIsaPaths().decode().split()
+    paths = here if a.paths == "all" else a.paths.split(",")
+
+    def on(path, fn):
+        def call():
+            os.environ["MS_MOE_OPS_ISA"] = path
+            fn()
+        return call
+
+    contenders = [(f"{path} {kind}", on(path, fn)) for path in paths
+                  for kind, fn in (("int8", int8_fn), ("float32", float_fn))]
+    times = timed_together(contenders, repeat=a.runs)
+    os.environ.pop("MS_MOE_OPS_ISA", None)
+    ops_ = 4 * a.m * a.h * a.f
+    print(f"MoeFFN int8 vs float32 per instruction-set path  M={a.m} H={a.h} F={a.f} E={a.e} "
+          f"fastgelu (median of {a.runs}, in turns; GOP/s nominal)")
+    print(f"  {'path':8s} {'int8':>10s} {'float32':>10s}  int8 speed over float32")
+    for path in paths:
+        i8, f32 = times[f"{path} int8"], times[f"{path} float32"]
+        print(f"  {path:8s} {i8 * 1e3:7.1f} ms {f32 * 1e3:7.1f} ms  {f32 / i8:5.2f}x   "
+              f"({ops_ / i8 / 1e9:.0f} / {ops_ / f32 / 1e9:.0f} GOP/s)")
 
 
 if __name__ == "__main__":

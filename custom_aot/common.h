@@ -4,6 +4,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #include <cmath>
@@ -165,6 +167,38 @@ inline void store_f32<f16>(const float *src, f16 *dst, int64_t n) {
   for (; j < n; ++j) dst[j] = from_f32<f16>(src[j]);
 }
 #endif
+#if defined(__AVX2__) && !defined(__AVX512BW__)
+// bfloat16 on 8 lanes, the same arithmetic as the AVX-512 version below
+template <>
+inline void load_f32<bf16>(const bf16 *src, float *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + j)));
+    _mm256_storeu_si256((__m256i *)(dst + j), _mm256_slli_epi32(h, 16));
+  }
+  for (; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+// 8 floats rounded to bfloat16 bit patterns in the low halves of 32-bit lanes
+inline __m256i bf16_bits(__m256i u) {
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  // (a signed compare: both sides are below 2^31 once the sign is masked off)
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(r, quiet, nan);
+}
+template <>
+inline void store_f32<bf16>(const float *src, bf16 *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {  // two vectors packed into one store (packus works per 128 bits)
+    const __m256i lo = bf16_bits(_mm256_loadu_si256((const __m256i *)(src + j)));
+    const __m256i hi = bf16_bits(_mm256_loadu_si256((const __m256i *)(src + j + 8)));
+    _mm256_storeu_si256((__m256i *)(dst + j), _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
+  }
+  for (; j < n; ++j) dst[j] = from_f32<bf16>(src[j]);
+}
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 template <>
 inline void load_f32<bf16>(const bf16 *src, float *dst, int64_t n) {
@@ -188,6 +222,45 @@ inline void store_f32<bf16>(const float *src, bf16 *dst, int64_t n) {
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
     _mm256_storeu_si256((__m256i *)(dst + j), _mm512_cvtepi32_epi16(r));
+  }
+  for (; j < n; ++j) dst[j] = from_f32<bf16>(src[j]);
+}
+#endif
+
+#if defined(__aarch64__)
+// NEON: FCVT converts float16 (rounding to nearest even, as the scalar conversion), bfloat16 is
+// the top half of a float32 (rounded to nearest even on the bit pattern, as from_f32<bf16>).
+template <>
+inline void load_f32<f16>(const f16 *src, float *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4)
+    vst1q_f32(dst + j, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(&src[j].bits))));
+  for (; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+template <>
+inline void store_f32<f16>(const float *src, f16 *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4)
+    vst1_u16(&dst[j].bits, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(src + j))));
+  for (; j < n; ++j) dst[j] = from_f32<f16>(src[j]);
+}
+template <>
+inline void load_f32<bf16>(const bf16 *src, float *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4)
+    vst1q_f32(dst + j, vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(&src[j].bits), 16)));
+  for (; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+template <>
+inline void store_f32<bf16>(const float *src, bf16 *dst, int64_t n) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const uint32x4_t u = vreinterpretq_u32_f32(vld1q_f32(src + j));
+    const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+    const uint16x4_t r = vshrn_n_u32(vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7fff), lsb)), 16);
+    const uint16x4_t quiet = vorr_u16(vshrn_n_u32(u, 16), vdup_n_u16(0x40));
+    const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7fffffff)), vdupq_n_u32(0x7f800000));
+    vst1_u16(&dst[j].bits, vbsl_u16(vmovn_u32(nan), quiet, r));
   }
   for (; j < n; ++j) dst[j] = from_f32<bf16>(src[j]);
 }

@@ -2,9 +2,12 @@
 // the dequantise / activate / requantise step is fused into the first product's store and the
 // dequantise-to-output step into the second's.
 //
-// The products use vpdpbusd (AVX-512 VNNI), which multiplies UNSIGNED by signed bytes: x is fed
-// as x + 128 (a bit flip) and 128 * colsum(W) is subtracted afterwards, folded into the bias.
-// Integer sums wrap modulo 2^32 like the device's int32 accumulator, so the trick is exact.
+// The x86-64 products multiply UNSIGNED by signed bytes (vpdpbusd of AVX-512 VNNI and AVX-VNNI;
+// the avx2 path widens both to 16 bits for vpmaddwd, where u8 x s8 pairs cannot saturate): x is
+// fed as x + 128 (a bit flip) and 128 * colsum(W) is subtracted afterwards, folded into the bias.
+// aarch64 multiplies signed by signed (SDOT, or NEON's widening multiplies), so x is fed as it is.
+// Integer sums wrap modulo 2^32 like the device's int32 accumulator, so every path is exact and
+// all give the same integers.
 // The weights are repacked on every call (no cache that could go stale) into panels the 6 x 64
 // register tile streams; packing, conversion and the two products are one parallel region each.
 #include <algorithm>
@@ -12,8 +15,14 @@
 
 #include "ffn.h"
 
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
 // GCC 12 reports its own AVX-512 intrinsics (the `__Y = __Y` idiom) as maybe-uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace moe {
 inline namespace MOE_ISA_NS {
@@ -25,6 +34,26 @@ constexpr int kNR = 64;         // columns of a register tile (4 vectors of 16 i
 constexpr int64_t kRowChunk = 16 * kMR;  // rows of one parallel task
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// How x and the requantised hidden values are fed to the products: q ^ kFlip as a byte (x86-64:
+// unsigned q + 128; aarch64: signed q itself).
+#if defined(__aarch64__)
+constexpr uint8_t kFlip = 0;
+#else
+constexpr uint8_t kFlip = 0x80;
+#endif
+
+// Elements of the products' operands: bytes, or on the avx2 path (no byte dot product) both
+// widened to 16 bits once, when they are stored (rows of x and of the hidden values: Row; packed
+// weight panels: Panel).
+#if defined(__AVX2__) && !defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
+#define MOE_INT8_WIDE 1
+using Row = int16_t;
+using Panel = int16_t;
+#else
+using Row = uint8_t;
+using Panel = int8_t;
+#endif
 
 // A dequant scale as the device uses it: only the top 19 bits of the float32 survive.
 inline float truncated(uint32_t bits) {
@@ -53,7 +82,7 @@ std::vector<float> deq_scales(const Arg &d) {
 // c0..c0+kNR as [K/4][kNR][4], K and N zero-padded. Also writes the panel's columns of
 // bias - 128 * colsum(B) (the correction for feeding x + 128), bias may be null.
 void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t *bias,
-                int8_t *dst, int32_t *bias_out) {
+                Panel *dst, int32_t *bias_out) {
   alignas(64) int32_t sum[kNR] = {};
   int64_t q = 0;
   if (c0 + kNR <= n) {
@@ -87,6 +116,41 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
     _mm512_store_si512(sum + 16, s1);
     _mm512_store_si512(sum + 32, s2);
     _mm512_store_si512(sum + 48, s3);
+#elif defined(__AVX2__)
+    // interior: two 4 x 32 byte transposes per step; column sums of 4 bytes per 32-bit lane
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    __m256i s8[8];
+    for (int i = 0; i < 8; ++i) s8[i] = _mm256_setzero_si256();
+    for (; q * 4 + 4 <= k; ++q, dst += kNR * 4)
+      for (int half = 0; half < 2; ++half) {
+        const int8_t *r = b + q * 4 * n + c0 + half * 32;
+        const __m256i r0 = _mm256_loadu_si256((const __m256i *)r);
+        const __m256i r1 = _mm256_loadu_si256((const __m256i *)(r + n));
+        const __m256i r2 = _mm256_loadu_si256((const __m256i *)(r + 2 * n));
+        const __m256i r3 = _mm256_loadu_si256((const __m256i *)(r + 3 * n));
+        const __m256i t0 = _mm256_unpacklo_epi8(r0, r1), t1 = _mm256_unpackhi_epi8(r0, r1);
+        const __m256i t2 = _mm256_unpacklo_epi8(r2, r3), t3 = _mm256_unpackhi_epi8(r2, r3);
+        // u_j, 128-bit lane l: columns 16 l + 4 j .. + 3, each as 4 consecutive k
+        const __m256i u0 = _mm256_unpacklo_epi16(t0, t2), u1 = _mm256_unpackhi_epi16(t0, t2);
+        const __m256i u2 = _mm256_unpacklo_epi16(t1, t3), u3 = _mm256_unpackhi_epi16(t1, t3);
+        const __m256i o[4] = {_mm256_permute2x128_si256(u0, u1, 0x20),
+                              _mm256_permute2x128_si256(u2, u3, 0x20),
+                              _mm256_permute2x128_si256(u0, u1, 0x31),
+                              _mm256_permute2x128_si256(u2, u3, 0x31)};
+        for (int i = 0; i < 4; ++i) {
+          Panel *d = dst + half * 128 + i * 32;
+#if defined(MOE_INT8_WIDE)
+          _mm256_storeu_si256((__m256i *)d, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o[i])));
+          _mm256_storeu_si256((__m256i *)(d + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o[i], 1)));
+#else
+          _mm256_storeu_si256((__m256i *)d, o[i]);
+#endif
+          // (1 x |byte| pairs never saturate 16 bits)
+          s8[half * 4 + i] = _mm256_add_epi32(
+              s8[half * 4 + i], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, o[i]), ones16));
+        }
+      }
+    for (int i = 0; i < 8; ++i) _mm256_store_si256((__m256i *)(sum + i * 8), s8[i]);
 #else
     for (; q * 4 + 4 <= k; ++q, dst += kNR * 4) {
       const int8_t *r0 = b + q * 4 * n + c0, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
@@ -109,9 +173,10 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
         dst[j * 4 + t] = v;
         sum[j] += v;
       }
+  const uint32_t correction = kFlip ? 128u : 0u;
   for (int64_t j = 0; j < kNR && c0 + j < n; ++j)
     bias_out[j] = static_cast<int32_t>((bias ? static_cast<uint32_t>(bias[c0 + j]) : 0u) -
-                                       128u * static_cast<uint32_t>(sum[j]));
+                                       correction * static_cast<uint32_t>(sum[j]));
 }
 
 // Scratch memory kept between calls, one set per calling thread: fresh buffers the size of the
@@ -133,18 +198,18 @@ T *scratch(Slot slot, int64_t n) {
 // (N entries) holds the corrected bias.
 struct PackedWeights {
   int64_t k, n, k4, panels;
-  int8_t *data;  // written only for the experts that have rows
+  Panel *data;  // written only for the experts that have rows
   std::vector<int32_t> bias;
 
   PackedWeights(Slot slot, int64_t e, int64_t k_, int64_t n_)
       : k(k_), n(n_), k4((k_ + 3) / 4), panels((n_ + kNR - 1) / kNR),
-        data(scratch<int8_t>(slot, e * panels * k4 * kNR * 4)), bias(e * n_) {}
-  const int8_t *panel(int64_t e, int64_t p) const { return data + (e * panels + p) * k4 * kNR * 4; }
-  int8_t *panel(int64_t e, int64_t p) { return data + (e * panels + p) * k4 * kNR * 4; }
+        data(scratch<Panel>(slot, e * panels * k4 * kNR * 4)), bias(e * n_) {}
+  const Panel *panel(int64_t e, int64_t p) const { return data + (e * panels + p) * k4 * kNR * 4; }
+  Panel *panel(int64_t e, int64_t p) { return data + (e * panels + p) * k4 * kNR * 4; }
 };
 
 // acc[r][j] = sum_k a_r[k] * B[k, panel column j] for kMR rows (unsigned a, K padded to 4).
-void tile(const uint8_t *const *a, const int8_t *b, int64_t k4, int32_t (*acc)[kNR]) {
+void tile(const Row *const *a, const Panel *b, int64_t k4, int32_t (*acc)[kNR]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   // Named accumulators: GCC spills an array of vectors to the stack on every step.
   static_assert(kMR == 6 && kNR == 64, "the register tile below is 6 x 64");
@@ -176,6 +241,111 @@ void tile(const uint8_t *const *a, const int8_t *b, int64_t k4, int32_t (*acc)[k
   _mm512_storeu_si512(acc[r] + 48, c##r##3);
   MOE_ROW(0) MOE_ROW(1) MOE_ROW(2) MOE_ROW(3) MOE_ROW(4) MOE_ROW(5)
 #undef MOE_ROW
+#elif defined(__AVXVNNI__)
+  // vpdpbusd on 8 columns x 4 k per vector: 3 rows x 32 columns at a time (12 accumulators;
+  // the panel is read from memory by the instruction itself)
+  for (int half = 0; half < 2; ++half)
+    for (int r0 = 0; r0 < kMR; r0 += 3) {
+      __m256i c[3][4];
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j) c[r][j] = _mm256_setzero_si256();
+      for (int64_t q = 0; q < k4; ++q) {
+        const int8_t *bq = b + q * kNR * 4 + half * 128;
+        for (int r = 0; r < 3; ++r) {
+          int32_t four;
+          std::memcpy(&four, a[r0 + r] + q * 4, 4);
+          const __m256i av = _mm256_set1_epi32(four);
+          for (int j = 0; j < 4; ++j)
+            c[r][j] = _mm256_dpbusd_avx_epi32(c[r][j], av,
+                                              _mm256_loadu_si256((const __m256i *)(bq + j * 32)));
+        }
+      }
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j)
+          _mm256_storeu_si256((__m256i *)(acc[r0 + r] + half * 32 + j * 8), c[r][j]);
+    }
+#elif defined(MOE_INT8_WIDE)
+  // No byte dot product: a and b held as 16-bit values, vpmaddwd sums k pairs into 32 bits
+  // (exact: |a b| < 2^15). Per 4 columns a vector holds 2 partial sums each, added at the end.
+  // 2 rows x 16 columns at a time: 8 named accumulators, so that nothing spills to the stack
+  // (with 12, GCC spills on every step). The panel is walked in blocks of kBlock k-quads whose
+  // 16 columns (8 KiB) stay in L1 while the three row pairs use them; the partial sums wait in
+  // `part` between blocks.
+  constexpr int64_t kBlock = 64;
+  __m256i part[kMR][16];
+  for (auto &row : part)
+    for (__m256i &v : row) v = _mm256_setzero_si256();
+  for (int64_t q0 = 0; q0 < k4; q0 += kBlock) {
+    const int64_t q1 = std::min(k4, q0 + kBlock);
+    for (int quarter = 0; quarter < 4; ++quarter)
+      for (int r0 = 0; r0 < kMR; r0 += 2) {
+        __m256i *p0 = part[r0] + quarter * 4, *p1 = part[r0 + 1] + quarter * 4;
+        __m256i c00 = p0[0], c01 = p0[1], c02 = p0[2], c03 = p0[3];
+        __m256i c10 = p1[0], c11 = p1[1], c12 = p1[2], c13 = p1[3];
+        const Row *a0 = a[r0], *a1 = a[r0 + 1];
+        const Panel *bq = b + q0 * kNR * 4 + quarter * 64;
+        for (int64_t q = q0; q < q1; ++q, bq += kNR * 4) {
+          int64_t four0, four1;
+          std::memcpy(&four0, a0 + q * 4, 8);
+          std::memcpy(&four1, a1 + q * 4, 8);
+          const __m256i x0 = _mm256_set1_epi64x(four0), x1 = _mm256_set1_epi64x(four1);
+#define MOE_COLS(j)                                                             \
+  {                                                                             \
+    const __m256i bv = _mm256_loadu_si256((const __m256i *)(bq + j * 16));      \
+    c0##j = _mm256_add_epi32(c0##j, _mm256_madd_epi16(x0, bv));                 \
+    c1##j = _mm256_add_epi32(c1##j, _mm256_madd_epi16(x1, bv));                 \
+  }
+          MOE_COLS(0) MOE_COLS(1) MOE_COLS(2) MOE_COLS(3)
+#undef MOE_COLS
+        }
+        p0[0] = c00, p0[1] = c01, p0[2] = c02, p0[3] = c03;
+        p1[0] = c10, p1[1] = c11, p1[2] = c12, p1[3] = c13;
+      }
+  }
+  // pair sums -> columns in order: hadd gives c0 c1 c4 c5 | c2 c3 c6 c7 of two vectors
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < 16; v += 2)
+      _mm256_storeu_si256((__m256i *)(acc[r] + v * 4),
+                          _mm256_permute4x64_epi64(_mm256_hadd_epi32(part[r][v], part[r][v + 1]), 0xD8));
+#elif defined(__ARM_FEATURE_DOTPROD)
+  // SDOT on 4 columns x 4 k per vector (signed bytes): 3 rows x 16 columns at a time
+  for (int quarter = 0; quarter < 4; ++quarter)
+    for (int r0 = 0; r0 < kMR; r0 += 3) {
+      int32x4_t c[3][4];
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j) c[r][j] = vdupq_n_s32(0);
+      for (int64_t q = 0; q < k4; ++q) {
+        const int8_t *bq = b + q * kNR * 4 + quarter * 64;
+        const int8x16_t bv[4] = {vld1q_s8(bq), vld1q_s8(bq + 16), vld1q_s8(bq + 32), vld1q_s8(bq + 48)};
+        for (int r = 0; r < 3; ++r) {
+          int32_t four;
+          std::memcpy(&four, a[r0 + r] + q * 4, 4);
+          const int8x16_t av = vreinterpretq_s8_s32(vdupq_n_s32(four));
+          for (int j = 0; j < 4; ++j) c[r][j] = vdotq_s32(c[r][j], bv[j], av);
+        }
+      }
+      for (int r = 0; r < 3; ++r)
+        for (int j = 0; j < 4; ++j) vst1q_s32(acc[r0 + r] + quarter * 16 + j * 4, c[r][j]);
+    }
+#elif defined(__aarch64__)
+  // NEON without the dot product: 8 x 8 -> 16-bit products (exact), pairwise added into 32 bits
+  for (int r = 0; r < kMR; ++r)
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      int32x4_t lo[4], hi[4];
+      for (int j = 0; j < 4; ++j) lo[j] = hi[j] = vdupq_n_s32(0);
+      for (int64_t q = 0; q < k4; ++q) {
+        const int8_t *bq = b + q * kNR * 4 + quarter * 64;
+        int32_t four;
+        std::memcpy(&four, a[r] + q * 4, 4);
+        const int8x16_t av = vreinterpretq_s8_s32(vdupq_n_s32(four));
+        for (int j = 0; j < 4; ++j) {
+          const int8x16_t bv = vld1q_s8(bq + j * 16);
+          lo[j] = vpadalq_s16(lo[j], vmull_s8(vget_low_s8(av), vget_low_s8(bv)));
+          hi[j] = vpadalq_s16(hi[j], vmull_high_s8(av, bv));
+        }
+      }
+      for (int j = 0; j < 4; ++j) vst1q_s32(acc[r] + quarter * 16 + j * 4, vpaddq_s32(lo[j], hi[j]));
+    }
 #else
   // Portable version of the same arithmetic (uint32 sums wrap like the instruction's).
   for (int r = 0; r < kMR; ++r) {
@@ -212,7 +382,7 @@ std::vector<Task> tasks(const std::vector<int64_t> &offsets, int64_t panels) {
 // output element is computed by one task in a fixed order, so the result does not depend on
 // which thread runs which task: the dynamic schedule keeps the cores busy when they are shared.
 template <typename Store>
-void gemm(const uint8_t *a, int64_t lda, const std::vector<int64_t> &offsets,
+void gemm(const Row *a, int64_t lda, const std::vector<int64_t> &offsets,
           const PackedWeights &b, Store &&store) {
   const std::vector<Task> work = tasks(offsets, b.panels);
   const int64_t n = static_cast<int64_t>(work.size());
@@ -225,7 +395,7 @@ void gemm(const uint8_t *a, int64_t lda, const std::vector<int64_t> &offsets,
     const int cols = static_cast<int>(std::min<int64_t>(kNR, b.n - c0));
     for (int64_t i = w.r0; i < w.r1; i += kMR) {
       const int rows = static_cast<int>(std::min<int64_t>(kMR, w.r1 - i));
-      const uint8_t *rp[kMR];
+      const Row *rp[kMR];
       for (int r = 0; r < kMR; ++r) rp[r] = a + (i + std::min(r, rows - 1)) * lda;
       tile(rp, b.panel(w.e, w.p), b.k4, acc);
       store(w.e, i, c0, rows, cols, acc);
@@ -240,49 +410,100 @@ inline int8_t saturate_int8(float v) {
   return static_cast<int8_t>(std::min(127.f, std::max(-128.f, r)));
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 // Vector versions of `activate` for the requantising store (the scalar calls to expf would cost
-// more than the matrix product). exp: Cephes' polynomial, within 2 ulp of expf.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
+// more than the matrix product), written once over the path's float vector (vf: 16 lanes of
+// AVX-512 or 8 of AVX2). exp: Cephes' polynomial, within 2 ulp of expf.
+#if defined(__AVX512F__)
+using vf = __m512;
+inline vf set1(float v) { return _mm512_set1_ps(v); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf rint(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf times_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+#else
+using vf = __m256;
+inline vf set1(float v) { return _mm256_set1_ps(v); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf div(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf max(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf rint(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p * 2^n, n integral in [-126, 127] (after exp_ps's clamp): 2^n built in the exponent bits
+inline vf times_pow2(vf p, vf n) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline vf exp_ps(vf x) {
+  x = min(max(x, set1(-87.f)), set1(88.f));
+  const vf n = rint(mul(x, set1(1.44269504f)));
+  vf r = fnmadd(n, set1(0.693359375f), x);
+  r = fnmadd(n, set1(-2.12194440e-4f), r);
+  vf p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  p = fmadd(p, mul(r, r), add(r, set1(1.f)));
+  return times_pow2(p, n);
 }
 
-inline __m512 sigmoid_ps(__m512 z) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  return _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+inline vf sigmoid_ps(vf z) {
+  const vf one = set1(1.f);
+  return div(one, add(one, exp_ps(mul(set1(-1.f), z))));
 }
 
-inline __m512 activate_ps(Activation act, __m512 x) {
+inline vf activate_ps(Activation act, vf x) {
   switch (act) {
-    case Activation::kFastGelu: return _mm512_mul_ps(x, sigmoid_ps(_mm512_mul_ps(_mm512_set1_ps(1.702f), x)));
+    case Activation::kFastGelu: return mul(x, sigmoid_ps(mul(set1(1.702f), x)));
     case Activation::kGelu: {
-      const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-      const __m512 in = _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x);
-      return _mm512_mul_ps(x, sigmoid_ps(_mm512_mul_ps(_mm512_set1_ps(1.59576912f), in)));
+      const vf in = fmadd(set1(0.044715f), mul(mul(x, x), x), x);
+      return mul(x, sigmoid_ps(mul(set1(1.59576912f), in)));
     }
-    case Activation::kRelu: return _mm512_max_ps(x, _mm512_setzero_ps());
-    case Activation::kSilu: return _mm512_mul_ps(x, sigmoid_ps(x));
+    case Activation::kRelu: return max(x, set1(0.f));
+    case Activation::kSilu: return mul(x, sigmoid_ps(x));
     default: return x;
   }
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 values of the requantising store (see requantise); returns q ^ kFlip as 8 bytes.
+inline __m128i requantise8(__m256i sum, __m256 deq, Activation act, float s, float o) {
+  __m256 v = _mm256_fmadd_ps(activate_ps(act, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), deq)),
+                             _mm256_set1_ps(s), _mm256_set1_ps(o));
+  v = _mm256_and_ps(v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));  // NaN -> 0
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-128.f)), _mm256_set1_ps(127.f));
+  const __m256i q = _mm256_cvtps_epi32(v);  // (round half to even: the default rounding mode)
+  const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  return _mm_xor_si128(_mm_packs_epi16(q16, q16), _mm_set1_epi8(static_cast<char>(kFlip)));
+}
+
+// 8 such bytes stored as Rows (widened to 16 bits on the avx2 path).
+inline void store8(Row *dst, __m128i bytes) {
+#if defined(MOE_INT8_WIDE)
+  _mm_storeu_si128((__m128i *)dst, _mm_cvtepu8_epi16(bytes));
+#else
+  _mm_storel_epi64((__m128i *)dst, bytes);
+#endif
 }
 #endif
 
 // One row of the first product's store: dst[j] = q + 128 with
 // q = int8(rint(act(float(acc[j] + bias[j]) * deq[j]) * s + o)).
 inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq, int cols,
-                       Activation act, float s, float o, uint8_t *dst) {
+                       Activation act, float s, float o, Row *dst) {
   int j = 0;
 #if defined(__AVX512F__)
   for (; j < cols; j += 16) {
@@ -294,14 +515,32 @@ inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq
     v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);  // NaN -> 0
     v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-128.f)), _mm512_set1_ps(127.f));
     const __m512i q = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm512_mask_cvtepi32_storeu_epi8(dst + j, m, _mm512_xor_si512(q, _mm512_set1_epi32(0x80)));
+    _mm512_mask_cvtepi32_storeu_epi8(dst + j, m, _mm512_xor_si512(q, _mm512_set1_epi32(kFlip)));
+  }
+#elif defined(__AVX2__)
+  for (; j + 8 <= cols; j += 8) {
+    const __m256i sum = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(acc + j)),
+                                         _mm256_loadu_si256((const __m256i *)(bias + j)));
+    store8(dst + j, requantise8(sum, _mm256_loadu_ps(deq + j), act, s, o));
+  }
+  if (j < cols) {  // the last columns through the same vector code (every value alike)
+    alignas(32) int32_t sums[8] = {};
+    alignas(32) float d[8] = {};
+    alignas(32) Row out[16];
+    for (int t = 0; j + t < cols; ++t) {
+      sums[t] = static_cast<int32_t>(static_cast<uint32_t>(acc[j + t]) + static_cast<uint32_t>(bias[j + t]));
+      d[t] = deq[j + t];
+    }
+    store8(out, requantise8(_mm256_load_si256((const __m256i *)sums), _mm256_load_ps(d), act, s, o));
+    std::memcpy(dst + j, out, (cols - j) * sizeof(Row));
+    j = cols;
   }
 #endif
   for (; j < cols; ++j) {
     const int32_t sum = static_cast<int32_t>(static_cast<uint32_t>(acc[j]) +
                                              static_cast<uint32_t>(bias[j]));
     const float hv = static_cast<float>(sum) * deq[j];
-    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ 0x80);
+    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ kFlip);  // (as a Row)
   }
 }
 
@@ -355,13 +594,13 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
   const std::vector<float> dq1 = deq_scales(a.dq1), dq2 = deq_scales(a.dq2);
   const bool parallel = m * h * f >= kParallelWork;
 
-  // x + 128 as unsigned bytes; the rows of x and of q are padded to a multiple of 4 with zeros
-  // (they meet the zero padding of the packed weights).
-  uint8_t *xu = scratch<uint8_t>(kXSlot, m * hp), *qu = scratch<uint8_t>(kQSlot, m * fp);
+  // x ^ kFlip (x + 128 as unsigned bytes on x86-64); the rows of x and of q are padded to a
+  // multiple of 4 with zeros (they meet the zero padding of the packed weights).
+  Row *xu = scratch<Row>(kXSlot, m * hp), *qu = scratch<Row>(kQSlot, m * fp);
   const int8_t *x = a.x.as<int8_t>();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t k = 0; k < h; ++k) xu[i * hp + k] = static_cast<uint8_t>(x[i * h + k] ^ 0x80);
+    for (int64_t k = 0; k < h; ++k) xu[i * hp + k] = static_cast<uint8_t>(x[i * h + k] ^ kFlip);
     std::fill(xu + i * hp + h, xu + (i + 1) * hp, 0);
     std::fill(qu + i * fp + f, qu + (i + 1) * fp, 0);
   }

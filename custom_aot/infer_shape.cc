@@ -12,6 +12,11 @@
 
 #include "common.h"
 
+// MindSpore's C++ infer-shape interface returns std::vector from extern "C" functions.
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wreturn-type-c-linkage"
+#endif
+
 namespace moe {
 namespace {
 

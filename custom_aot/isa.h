@@ -5,7 +5,9 @@
 // inline namespace, so the copies never mix). The baseline compile (no MOE_ISA given: the
 // generic path) also defines the exported entry points, which call the best path this CPU has,
 // or the one MS_MOE_OPS_ISA names (custom_aot/dispatch/isa.cc). On x86-64 the paths are
-// generic (any x86-64), avx2 (x86-64-v3) and avx512 (x86-64-v4 with VNNI); elsewhere generic.
+// generic (any x86-64), avx2 (x86-64-v3), avxvnni (x86-64-v3 with AVX-VNNI) and avx512
+// (x86-64-v4 with AVX-512 VNNI); on aarch64 generic (ARMv8-A, NEON) and dotprod (with the
+// SDOT/UDOT instructions of ARMv8.2's dot product extension); elsewhere generic.
 #pragma once
 
 #include <cstdint>
@@ -20,8 +22,12 @@
 #define MOE_ISA_NS MOE_CAT(isa_, MOE_ISA)
 
 // Functions exported from the library: defined by the baseline compile only (a path compile
-// keeps its copy private, so each symbol is defined once).
-#if defined(MOE_ENTRY_POINTS)
+// keeps its copy private, so each symbol is defined once). A Windows DLL exports what is marked
+// dllexport (and then nothing else); ELF and Mach-O what has default visibility (the library is
+// built with -fvisibility=hidden).
+#if defined(MOE_ENTRY_POINTS) && defined(_WIN32)
+#define MOE_EXPORT extern "C" __declspec(dllexport)
+#elif defined(MOE_ENTRY_POINTS)
 #define MOE_EXPORT extern "C" __attribute__((visibility("default")))
 #else
 #define MOE_EXPORT [[maybe_unused]] static
@@ -34,8 +40,8 @@ using KernelFn = int(int nparam, void **params, int *ndims, int64_t **shapes, co
                      void *stream, void *extra);
 
 namespace dispatch {
-// Index of the path a kernel call takes now (0 generic, 1 avx2, 2 avx512), or -1 after one
-// line on stderr when MS_MOE_OPS_ISA names an unknown path or one this CPU or build lacks.
+// Index of the path a kernel call takes now (its place in MOE_PATH_LIST), or -1 after one line
+// on stderr when MS_MOE_OPS_ISA names an unknown path or one this CPU or build lacks.
 int path();
 // The failure message of the last kernel call on this thread (fail() records it), and the
 // exception the exported entry points throw with it: MindSpore catches a std::exception from an
@@ -46,18 +52,24 @@ void record_error(const char *message);
 
 }  // namespace moe
 
+// The paths of the target, lowest first: X(path, arg) for each (setup.py compiles the same list).
 #if defined(MOE_X86_PATHS)
-#define MOE_PATHS(name) &moe::isa_generic::name, &moe::isa_avx2::name, &moe::isa_avx512::name
-#define MOE_DECLARE_PATHS(name)                                                              \
-  namespace moe {                                                                            \
-  namespace isa_generic { KernelFn name; }                                                   \
-  namespace isa_avx2 { KernelFn name; }                                                      \
-  namespace isa_avx512 { KernelFn name; }                                                    \
-  }
+#define MOE_PATH_LIST(X, arg) X(generic, arg) X(avx2, arg) X(avxvnni, arg) X(avx512, arg)
+#elif defined(MOE_ARM_PATHS)
+#define MOE_PATH_LIST(X, arg) X(generic, arg) X(dotprod, arg)
 #else
-#define MOE_PATHS(name) &moe::isa_generic::name
-#define MOE_DECLARE_PATHS(name) namespace moe { namespace isa_generic { KernelFn name; } }
+#define MOE_PATH_LIST(X, arg) X(generic, arg)
 #endif
+#define MOE_PATH_NAME(path, arg) #path,
+#define MOE_PATH_ENTRY(path, name) &moe::isa_##path::name,
+// (the baseline's own namespace is the inline one in its compile)
+#define MOE_INLINE_generic inline
+#define MOE_INLINE_avx2
+#define MOE_INLINE_avxvnni
+#define MOE_INLINE_avx512
+#define MOE_INLINE_dotprod
+#define MOE_PATH_DECLARE(path, name) MOE_CAT(MOE_INLINE_, path) namespace isa_##path { KernelFn name; }
+#define MOE_DECLARE_PATHS(name) namespace moe { MOE_PATH_LIST(MOE_PATH_DECLARE, name) }
 
 // Defines a kernel entry point, written as
 //   MOE_KERNEL(Name)(int nparam, void **params, int *ndims, int64_t **shapes,
@@ -70,7 +82,7 @@ void record_error(const char *message);
   MOE_DECLARE_PATHS(name)                                                                    \
   MOE_EXPORT int name(int nparam, void **params, int *ndims, int64_t **shapes,               \
                       const char **dtypes, void *stream, void *extra) {                      \
-    static moe::KernelFn *const paths[] = {MOE_PATHS(name)};                                 \
+    static moe::KernelFn *const paths[] = {MOE_PATH_LIST(MOE_PATH_ENTRY, name)};                                 \
     const int p = moe::dispatch::path();                                                     \
     if (p < 0 || paths[p](nparam, params, ndims, shapes, dtypes, stream, extra) != 0)        \
       moe::dispatch::throw_error();                                                          \

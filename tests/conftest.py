@@ -92,8 +92,8 @@ def seed_of(nodeid):
     """A stable seed of its own for every test (from its id, so order and selection do not
     change the data a test sees). The instruction-set path is left out of the id: every path
     of a test sees the same data."""
-    nodeid = re.sub(r"\[(?:generic|avx2|avx512)\]|(?<=\[)(?:generic|avx2|avx512)-|"
-                    r"-(?:generic|avx2|avx512)(?=[-\]])", "", nodeid)
+    nodeid = re.sub(r"\[(?:generic|avx2|avxvnni|avx512|dotprod)\]|(?<=\[)(?:generic|avx2|avxvnni|avx512|dotprod)-|"
+                    r"-(?:generic|avx2|avxvnni|avx512|dotprod)(?=[-\]])", "", nodeid)
     return zlib.crc32(nodeid.encode())
 
 
@@ -281,18 +281,39 @@ def dtype(request):
 # call. GRAPH-mode cases run the same kernels, so they run on the best path only.
 
 def isa_paths():
-    """The instruction-set paths the kernel library offers on this CPU, lowest first."""
+    """The instruction-set paths the kernel library offers on this CPU, lowest first ([] when
+    the kernels cannot run here: every operator then runs as its composition)."""
     import ctypes
-    from ms_moe_ops.ops._impls import kernel_library
+    from ms_moe_ops.ops._impls import kernel_library, kernel_library_missing
 
+    if kernel_library_missing():
+        return []
     lib = ctypes.CDLL(kernel_library())
     lib.MsMoeOpsIsaPaths.restype = ctypes.c_char_p
     return lib.MsMoeOpsIsaPaths().decode().split()
 
 
+def kernels_missing():
+    """'' when this package's CPU kernels run here, else why not (not built, not on CPU, ...)."""
+    from ms_moe_ops.ops._impls import kernel_library_missing
+
+    return kernel_library_missing() if DEVICE == "CPU" else "CPU only"
+
+
+def needs_kernels(what="needs the CPU kernel library", other_devices_too=False):
+    """Skip marker for tests of what only the CPU kernels do on CPU (their ABI, paths, data
+    checks, exact roundings): says why they cannot run here when they cannot. On another device
+    the test is skipped too, unless other_devices_too (it then runs on that device's
+    implementations)."""
+    if DEVICE != "CPU":
+        return pytest.mark.skipif(not other_devices_too, reason=f"{what}: CPU only")
+    why = kernels_missing()
+    return pytest.mark.skipif(bool(why), reason=f"{what}: {why}")
+
+
 def pytest_generate_tests(metafunc):
     marked = metafunc.definition.get_closest_marker
-    if DEVICE == "CPU" and marked("every_isa") and not marked("best_isa_only"):
+    if DEVICE == "CPU" and marked("every_isa") and not marked("best_isa_only") and isa_paths():
         metafunc.parametrize("isa", isa_paths(), indirect=True)
 
 
@@ -306,7 +327,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _params(item).get("mode") == "graph" and item.get_closest_marker("slow_in_graph"):
             item.add_marker(pytest.mark.slow)
-    if DEVICE != "CPU":
+    if DEVICE != "CPU" or not isa_paths():
         return
     best = isa_paths()[-1]
     keep, drop = [], []

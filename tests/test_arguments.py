@@ -9,7 +9,7 @@ from mindspore import Tensor, nn
 import ms_moe_ops
 from ms_moe_ops import (GatingTopK, MoELayer, MoeFFN, grouped_matmul, moe_ffn, moe_gating_top_k,
                         moe_token_permute, moe_token_unpermute, quantize_moe_ffn, swiglu_group)
-from conftest import numpy, run, tensor
+from conftest import needs_kernels, numpy, run, tensor
 
 
 def _outputs(result):
@@ -115,6 +115,7 @@ def test_cells_take_numpy_scalars(make, mode, rng):
         np.testing.assert_array_equal(got, want)
 
 
+@needs_kernels("on CPU the int8 path runs on the kernel only", other_devices_too=True)
 def test_moe_ffn_output_dtype_takes_dtype_objects(rng):
     # the reproduction: output_dtype=ms.float32 on the float path
     x = tensor(rng.standard_normal((4, 8)).astype(np.float32))
@@ -134,6 +135,7 @@ def test_moe_ffn_output_dtype_takes_dtype_objects(rng):
         assert y.dtype == dtype
 
 
+@needs_kernels("on CPU the int8 path runs on the kernel only", other_devices_too=True)
 def test_output_dtype_as_dtype_object_in_graph_mode(rng):
     tokens = tensor(np.array([3, 1], np.int64))
     q = quantize_moe_ffn(MoeFFN(2, 8, 5), rng.standard_normal((4, 8)).astype(np.float32),

@@ -1,4 +1,5 @@
-"""Bit-identical results whatever the thread count (SPEC error rules), for every kernel.
+"""Bit-identical results whatever the thread count (SPEC error rules), for every kernel on every
+instruction-set path this CPU runs.
 
 The kernels take their threads from OpenMP (OMP_NUM_THREADS) and the matrix products from
 OpenBLAS (OPENBLAS_NUM_THREADS); both are read once per process, so each thread count runs in a
@@ -11,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import cpu_only
+from conftest import needs_kernels
 
 _SCRIPT = r'''
 import sys
@@ -25,49 +26,56 @@ from ms_moe_ops.ops.gating import GATING_GRAD, GATING_SOFTMAX_BACKWARD
 from ms_moe_ops.ops.permute import moe_token_unpermute_backward
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
 
-rng = np.random.default_rng(1234)
-bf = lambda a: Tensor(np.asarray(a, np.float32), ms.bfloat16)
-f32 = lambda a: Tensor(np.asarray(a, np.float32))
+import ctypes, os
+from ms_moe_ops.ops._library import kernel_library
+
+lib = ctypes.CDLL(kernel_library())
+lib.MsMoeOpsIsaPaths.restype = ctypes.c_char_p
 out = {}
-x = rng.normal(size=(700, 256))
-y, idx, xn = mo.moe_gating_top_k(f32(x), 8, k_group=4, group_count=8, group_select_mode=1)
-out["router"] = y.asnumpy()
-gy = rng.normal(size=(700, 8))
-out["router_bwd"] = mo.moe_gating_top_k_backward(xn, f32(gy), idx).asnumpy()
-out["router_softmax_bwd"] = GATING_SOFTMAX_BACKWARD(xn, f32(gy), idx, renorm=1).asnumpy()
-dxn = f32(rng.normal(size=(700, 256)))
-out["router_grad"] = GATING_GRAD(xn, f32(gy), idx, dxn).asnumpy()
-out["router_grad_softmax"] = GATING_GRAD(xn, f32(gy), idx, dxn, norm_type=0, renorm=1).asnumpy()
-sx = rng.normal(size=(600, 1040))
-w = rng.uniform(0.1, 1, (600, 1))
-y, yo = SWIGLU_GROUP(bf(sx), f32(w), None, clamp_limit=1.5)
-out["swiglu"] = y.astype(ms.float32).asnumpy()
-gx, gw = mo.swiglu_group_quant_grad(bf(rng.normal(size=(600, 520))), bf(sx), f32(w), yo,
-                                    clamp_limit=1.5)
-out["swiglu_bwd"] = gx.astype(ms.float32).asnumpy()
-out["swiglu_bwd_weight"] = gw.asnumpy()
-counts = Tensor(np.array([300, 0, 400], np.int64))
-gx_ = rng.normal(size=(700, 96))
-out["gmm"] = mo.grouped_matmul(f32(gx_), f32(rng.normal(size=(3, 96, 80))), counts).asnumpy()
-out["gmm_tx"] = mo.grouped_matmul(bf(gx_), bf(rng.normal(size=(700, 80))), counts,
-                                  transpose_x=True).astype(ms.float32).asnumpy()
-w1, w2 = rng.normal(size=(3, 96, 64)) * 0.1, rng.normal(size=(3, 64, 96)) * 0.1
-out["ffn"] = mo.moe_ffn(bf(gx_), counts, bf(w1), bf(w2)).astype(ms.float32).asnumpy()
-gh, a = FFN_ACTIVATION_GRAD(f32(rng.normal(size=(700, 64))), f32(rng.normal(size=(700, 64))),
-                            activation="gelu")
-out["ffn_act_grad"] = gh.asnumpy()
 sys.path.insert(0, sys.argv[2])
 import cases
-v = cases.int8_ffn_case(rng, counts=(300, 0, 212), h=256, f=520)
-out["ffn_int8"] = cases.int8_ffn(v, output_dtype="float32").asnumpy()
-e_idx = np.array([rng.permutation(16)[:4] for _ in range(900)], np.int32)
-p, s, c = mo.moe_token_permute(bf(rng.normal(size=(900, 64))), Tensor(e_idx), 16)
-out["permute"] = p.astype(ms.float32).asnumpy()
-probs = f32(rng.uniform(size=(900, 4)))
-out["unpermute"] = mo.moe_token_unpermute(p, s, probs).astype(ms.float32).asnumpy()
-d_rows, d_probs = moe_token_unpermute_backward(p, s, probs, bf(rng.normal(size=(900, 64))))
-out["unpermute_bwd"] = d_rows.astype(ms.float32).asnumpy()
-out["unpermute_bwd_probs"] = d_probs.asnumpy()
+for path in lib.MsMoeOpsIsaPaths().decode().split():  # every path, each on the same data
+    os.environ["MS_MOE_OPS_ISA"] = path
+    rng = np.random.default_rng(1234)
+    bf = lambda a: Tensor(np.asarray(a, np.float32), ms.bfloat16)
+    f32 = lambda a: Tensor(np.asarray(a, np.float32))
+    x = rng.normal(size=(700, 256))
+    y, idx, xn = mo.moe_gating_top_k(f32(x), 8, k_group=4, group_count=8, group_select_mode=1)
+    out[path + "/router"] = y.asnumpy()
+    gy = rng.normal(size=(700, 8))
+    out[path + "/router_bwd"] = mo.moe_gating_top_k_backward(xn, f32(gy), idx).asnumpy()
+    out[path + "/router_softmax_bwd"] = GATING_SOFTMAX_BACKWARD(xn, f32(gy), idx, renorm=1).asnumpy()
+    dxn = f32(rng.normal(size=(700, 256)))
+    out[path + "/router_grad"] = GATING_GRAD(xn, f32(gy), idx, dxn).asnumpy()
+    out[path + "/router_grad_softmax"] = GATING_GRAD(xn, f32(gy), idx, dxn, norm_type=0, renorm=1).asnumpy()
+    sx = rng.normal(size=(600, 1040))
+    w = rng.uniform(0.1, 1, (600, 1))
+    y, yo = SWIGLU_GROUP(bf(sx), f32(w), None, clamp_limit=1.5)
+    out[path + "/swiglu"] = y.astype(ms.float32).asnumpy()
+    gx, gw = mo.swiglu_group_quant_grad(bf(rng.normal(size=(600, 520))), bf(sx), f32(w), yo,
+                                        clamp_limit=1.5)
+    out[path + "/swiglu_bwd"] = gx.astype(ms.float32).asnumpy()
+    out[path + "/swiglu_bwd_weight"] = gw.asnumpy()
+    counts = Tensor(np.array([300, 0, 400], np.int64))
+    gx_ = rng.normal(size=(700, 96))
+    out[path + "/gmm"] = mo.grouped_matmul(f32(gx_), f32(rng.normal(size=(3, 96, 80))), counts).asnumpy()
+    out[path + "/gmm_tx"] = mo.grouped_matmul(bf(gx_), bf(rng.normal(size=(700, 80))), counts,
+                                      transpose_x=True).astype(ms.float32).asnumpy()
+    w1, w2 = rng.normal(size=(3, 96, 64)) * 0.1, rng.normal(size=(3, 64, 96)) * 0.1
+    out[path + "/ffn"] = mo.moe_ffn(bf(gx_), counts, bf(w1), bf(w2)).astype(ms.float32).asnumpy()
+    gh, a = FFN_ACTIVATION_GRAD(f32(rng.normal(size=(700, 64))), f32(rng.normal(size=(700, 64))),
+                                activation="gelu")
+    out[path + "/ffn_act_grad"] = gh.asnumpy()
+    v = cases.int8_ffn_case(rng, counts=(300, 0, 212), h=256, f=520)
+    out[path + "/ffn_int8"] = cases.int8_ffn(v, output_dtype="float32").asnumpy()
+    e_idx = np.array([rng.permutation(16)[:4] for _ in range(900)], np.int32)
+    p, s, c = mo.moe_token_permute(bf(rng.normal(size=(900, 64))), Tensor(e_idx), 16)
+    out[path + "/permute"] = p.astype(ms.float32).asnumpy()
+    probs = f32(rng.uniform(size=(900, 4)))
+    out[path + "/unpermute"] = mo.moe_token_unpermute(p, s, probs).astype(ms.float32).asnumpy()
+    d_rows, d_probs = moe_token_unpermute_backward(p, s, probs, bf(rng.normal(size=(900, 64))))
+    out[path + "/unpermute_bwd"] = d_rows.astype(ms.float32).asnumpy()
+    out[path + "/unpermute_bwd_probs"] = d_probs.asnumpy()
 np.savez(sys.argv[1], **out)
 '''
 
@@ -81,7 +89,7 @@ def _outputs(threads, path):
     return dict(np.load(path))
 
 
-@cpu_only("the thread counts of this package's OpenMP kernels and OpenBLAS")
+@needs_kernels("the thread counts of this package's OpenMP kernels and OpenBLAS")
 @pytest.mark.slow  # three subprocesses
 def test_same_bits_whatever_the_thread_count(tmp_path):
     runs = {n: _outputs(n, str(tmp_path / f"threads{n}.npz")) for n in (1, 2, 3)}

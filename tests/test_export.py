@@ -14,7 +14,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 from ms_moe_ops import MoELayer
-from conftest import cpu_only, numpy, tensor
+from conftest import cpu_only, needs_kernels, numpy, tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,7 +71,7 @@ def test_mindir_runs_in_a_fresh_process(tmp_path, rng):
     np.testing.assert_array_equal(np.load(tmp_path / "y_imported.npy"), expected)
 
 
-@cpu_only("reads the CPU kernel library")
+@needs_kernels("reads the CPU kernel library")
 def test_kernel_library_names_this_environments_blas():
     """The library's run path reaches the BLAS of the environment it runs in, not only the one
     it was built against: pip builds an editable install in an isolated environment that it

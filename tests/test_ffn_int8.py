@@ -9,9 +9,11 @@ from mindspore import Tensor
 from ms_moe_ops import moe_ffn, reference
 from ms_moe_ops.nn import MoeFFN, QuantMoeFFN, quantize_moe_ffn
 from cases import INT8_FFN_INPUTS as NAMES, int8_ffn as _call, int8_ffn_case as _case
-from conftest import cpu_only, grad, numpy, run, tensor
+from conftest import grad, needs_kernels, numpy, run, tensor
 
-pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
+# the kernels run under every instruction-set path; the int8 path has no composition
+pytestmark = [pytest.mark.every_isa, needs_kernels("on CPU the int8 path runs on the kernel only",
+                                                       other_devices_too=True)]
 
 ACTIVATIONS = ["fastgelu", "gelu", "relu", "silu"]
 def _golden(v, **kw):
@@ -186,7 +188,7 @@ def test_many_rows_and_tile_tails(rng):
                     "fastgelu")
 
 
-@cpu_only("a data fault is found by this package's CPU kernels")
+@needs_kernels("a data fault is found by this package's CPU kernels")
 @pytest.mark.parametrize("tokens, flag", [([5, 0, 9, 5], False), ([0, 0, 0, 19], False),
                                           ([5, 0, -1, 14], False), ([5, 4, 14, 18], True),
                                           ([5, 5, 14, 19], True)])

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 
 from ms_moe_ops import grouped_matmul, reference
-from conftest import (assert_close, assert_rounded, cpu_only, finite_diff, grad, numpy, rounded, run,
-                      tensor)
+from conftest import (assert_close, assert_rounded, finite_diff, grad, needs_kernels, numpy,
+                      rounded, run, tensor)
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
 
 
-DATA_CHECK = cpu_only("a data fault is found by this package's CPU kernels")
+DATA_CHECK = needs_kernels("a data fault is found by this package's CPU kernels")
 
 
 def _case(rng, m=9, k=5, n=4, counts=(3, 0, 6), dtype="float32"):

@@ -16,7 +16,7 @@ from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD
 from ms_moe_ops.ops.gating import GATING_GRAD, GATING_SOFTMAX_BACKWARD
 from ms_moe_ops.ops.permute import moe_token_unpermute_backward
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, swiglu_group_quant_grad
-from conftest import assert_rounded, numpy, rounded, tensor
+from conftest import assert_rounded, needs_kernels, numpy, rounded, tensor
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
 HALF = pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -144,6 +144,8 @@ def test_grouped_matmul(dtype, rng):
 
 
 @HALF
+@needs_kernels("one rounding of the whole FFN: the composition rounds its hidden layer to the "
+               "input dtype, the kernel keeps it in float32", other_devices_too=True)
 @pytest.mark.parametrize("activation", ["fastgelu", "gelu", "relu", "silu"])
 def test_moe_ffn(dtype, activation, rng):
     x, w1, b1, _, tokens = _products(dtype, rng, m=21, k=40, n=24, counts=(9, 0, 12))

@@ -15,10 +15,10 @@ from ms_moe_ops import (grouped_matmul, moe_ffn, moe_token_permute, moe_token_un
                         swiglu_group, swiglu_group_quant_grad)
 from ms_moe_ops.ops import _platform
 from ms_moe_ops.ops._impls import kernel_library
-from conftest import assert_close, cpu_only, numpy, run, tensor
+from conftest import assert_close, kernels_missing, needs_kernels, numpy, run, tensor
 
 INT64_MAX = 2 ** 63 - 1
-kernel_checks = cpu_only("these are the CPU kernels' own checks")
+kernel_checks = needs_kernels("these are the CPU kernels' own checks")
 
 
 # -- swiglu: group counts near 2**63 saturate (they used to wrap and zero every row) -------------
@@ -31,8 +31,8 @@ SATURATING = [[1, INT64_MAX], [INT64_MAX, INT64_MAX], [INT64_MAX], [2 ** 62, 2 *
 @pytest.mark.parametrize("impl", ["kernel", "composition"])
 @pytest.mark.slow_in_graph
 def test_swiglu_counts_near_int64_max_keep_every_row(counts, impl, mode, rng, monkeypatch):
-    if impl == "kernel" and _platform.device_target() != "CPU":
-        pytest.skip("the CPU kernel")
+    if impl == "kernel" and kernels_missing():
+        pytest.skip(f"the CPU kernel: {kernels_missing()}")
     monkeypatch.setenv(_platform.IMPL_ENV, impl)
     x = rng.normal(size=(4, 8)).astype(np.float32)
     w = rng.uniform(0.1, 1, (4, 1)).astype(np.float32)
@@ -85,8 +85,8 @@ def _unpermute2(permuted, sorted_index):
 
 @pytest.mark.parametrize("impl", ["kernel", "composition"])
 def test_permute_with_no_hidden_width(impl, mode, monkeypatch):
-    if impl == "kernel" and _platform.device_target() != "CPU":
-        pytest.skip("the CPU kernel")
+    if impl == "kernel" and kernels_missing():
+        pytest.skip(f"the CPU kernel: {kernels_missing()}")
     monkeypatch.setenv(_platform.IMPL_ENV, impl)
     idx = np.array([[2, 0], [1, 2], [0, 0]], np.int32)
     x = np.zeros((3, 0), np.float32)
@@ -125,8 +125,8 @@ def _ffn_case(rng, m=6):
 @pytest.mark.parametrize("counts, cumulative", [([2, 3], False), ([2, 5], True), ([0, 0], False)])
 @pytest.mark.slow_in_graph
 def test_moe_ffn_counts_short_of_m_are_a_data_fault(counts, cumulative, mode, rng):
-    if _platform.device_target() != "CPU":
-        pytest.skip("the CPU kernel's data check")
+    if kernels_missing():
+        pytest.skip(f"the CPU kernel's data check: {kernels_missing()}")
     x, w1, w2 = _ffn_case(rng)
     tokens = Tensor(np.array(counts, np.int64))
 

@@ -8,7 +8,8 @@ from mindspore import Tensor, nn
 from ms_moe_ops import MoeFFN
 from ms_moe_ops import reference as ref
 from ms_moe_ops.reference import _moe_activation
-from conftest import assert_close, assert_rounded, cpu_only, finite_diff, numpy, rounded, tensor
+from conftest import (assert_close, assert_rounded, finite_diff, kernels_missing, needs_kernels,
+                      numpy, rounded, tensor)
 
 E, H, F = 4, 6, 5
 COUNTS = np.array([3, 0, 4, 2], np.int64)  # expert 1 gets no rows
@@ -93,6 +94,9 @@ def test_forward_matches_reference(activation, has_bias):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("activation", ["swiglu", "fastgelu"])
 def test_modes_and_dtypes(activation, dtype, mode):
+    if activation == "fastgelu" and dtype != "float32" and kernels_missing():
+        pytest.skip(f"one rounding of the fused FFN to {dtype}: the composition rounds its hidden "
+                    f"layer to it too: {kernels_missing()}")
     ffn = make_ffn(activation, has_bias=True, clamp=0.7 if activation == "swiglu" else 0.0)
     x, rw = data(dtype=dtype)
     got = call(ffn, x, rw, mode, dtype)
@@ -157,7 +161,7 @@ def test_bad_configuration():
         MoeFFN(4, 8, 2.5)
 
 
-@cpu_only("a data fault is found by this package's CPU kernels")
+@needs_kernels("a data fault is found by this package's CPU kernels")
 def test_counts_that_do_not_add_up_raise():
     ffn = make_ffn("fastgelu")
     x, _ = data()

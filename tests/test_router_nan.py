@@ -10,7 +10,7 @@ import pytest
 from ms_moe_ops import moe_gating_top_k
 from ms_moe_ops import reference as ref
 from ms_moe_ops.ops import _platform
-from conftest import DEVICE, numpy, run, tensor
+from conftest import DEVICE, kernels_missing, numpy, run, tensor
 
 NEG_NAN = np.frombuffer(np.uint32(0xFFC00000).tobytes(), np.float32)[0]  # NaN with the sign bit
 IMPLS = ["kernel", "composition"] if DEVICE == "CPU" else ["composition"]
@@ -31,6 +31,8 @@ def _valid(idx, n):
 
 @pytest.fixture(params=IMPLS)
 def impl(request, monkeypatch):
+    if request.param == "kernel" and kernels_missing():
+        pytest.skip(f"the CPU kernel: {kernels_missing()}")
     monkeypatch.setenv(_platform.IMPL_ENV, request.param)
     return request.param
 

@@ -9,10 +9,14 @@
 //   attrs.set_float("clamp_limit", 0.f);
 //   int rc = lib.call("SwigluGroup", {&x, &none, &none, &y, &y_origin}, attrs);
 //
-// Build with the kernels' ABI flag (-D_GLIBCXX_USE_CXX11_ABI=0) and -ldl.
+// Build with the kernels' ABI flag (-D_GLIBCXX_USE_CXX11_ABI=0) and -ldl (Windows: nothing).
 #pragma once
 
+#if defined(_WIN32)
+#include <windows.h>
+#else
 #include <dlfcn.h>
+#endif
 
 #include <cstdio>
 #include <cstdlib>
@@ -130,21 +134,28 @@ class Attrs : public mindspore::AotExtra {
   std::map<std::string, std::string> strs_;
 };
 
-// The kernel library, loaded like MindSpore loads it (dlopen, then dlsym per kernel).
+// The kernel library, loaded like MindSpore loads it (dlopen, then dlsym per kernel; Windows:
+// LoadLibrary and GetProcAddress, as a loader there would).
 class Library {
  public:
-  explicit Library(const std::string &path) : handle_(dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL)) {
+  explicit Library(const std::string &path) : handle_(open(path)) {
     if (!handle_) {
-      std::fprintf(stderr, "harness: cannot load %s: %s\n", path.c_str(), dlerror());
+      std::fprintf(stderr, "harness: cannot load %s: %s\n", path.c_str(), error().c_str());
       std::exit(2);
     }
   }
   Library(const Library &) = delete;
   Library &operator=(const Library &) = delete;
+#if defined(_WIN32)
+  ~Library() { FreeLibrary(static_cast<HMODULE>(handle_)); }
+  void *symbol(const std::string &name) {
+    return reinterpret_cast<void *>(GetProcAddress(static_cast<HMODULE>(handle_), name.c_str()));
+  }
+#else
   ~Library() { dlclose(handle_); }
-
   // Any exported symbol (nullptr when absent), e.g. MsMoeOpsIsaPaths.
   void *symbol(const std::string &name) { return dlsym(handle_, name.c_str()); }
+#endif
 
   // Calls `kernel` with args = inputs, then outputs (MindSpore's order); returns its status: 0,
   // or 1 when the kernel refused the call (the exported kernels throw std::runtime_error, which
@@ -179,6 +190,13 @@ class Library {
   const std::string &last_error() const { return last_error_; }
 
  private:
+#if defined(_WIN32)
+  static void *open(const std::string &path) { return LoadLibraryA(path.c_str()); }
+  static std::string error() { return "LoadLibrary error " + std::to_string(GetLastError()); }
+#else
+  static void *open(const std::string &path) { return dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL); }
+  static std::string error() { return dlerror(); }
+#endif
   void *handle_;
   std::string last_error_;
 };

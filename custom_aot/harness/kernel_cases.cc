@@ -1,6 +1,6 @@
 // Calls every kernel of the library through MindSpore's AOT ABI on fixed, seeded inputs and
-// writes every output to one file, so that two builds (two architectures, two instruction-set
-// paths) can be compared output by output (tools/check_aarch64.py does).
+// writes every output to one file, so that two builds (two architectures or systems, two
+// instruction-set paths) can be compared output by output (tools/check_hosts.py does).
 //
 //   kernel_cases LIBRARY OUTPUT      (MS_MOE_OPS_ISA picks the path, as in any process)
 //
@@ -46,6 +46,20 @@ class Runner {
                    dims.empty() ? "-" : dims.c_str(), t.bytes.size());
       std::fwrite(t.bytes.data(), 1, t.bytes.size(), out_);
     }
+  }
+  // Calls kernel with arguments it must refuse and records its message (uint8 bytes): the
+  // exception thrown inside the library reaches the caller with its text, on every host.
+  void refuse(const std::string &name, const std::string &kernel, std::vector<Tensor *> args,
+              Attrs &attrs) {
+    if (lib_.call(kernel, args, attrs) == 0) {
+      std::fprintf(stderr, "kernel_cases: %s (%s) accepted a call it must refuse\n", name.c_str(),
+                   kernel.c_str());
+      failed_ = true;
+      return;
+    }
+    const std::string &message = lib_.last_error();
+    std::fprintf(out_, "%s/message uint8 %zu %zu\n", name.c_str(), message.size(), message.size());
+    std::fwrite(message.data(), 1, message.size(), out_);
   }
   bool failed() const { return failed_; }
 
@@ -227,6 +241,16 @@ void permute(Runner &r) {
   }
 }
 
+// A data fault: an expert index out of range, found before anything is written.
+void refusals(Runner &r) {
+  Tensor x = from_values("float32", {2, 3}, {1, 2, 3, 4, 5, 6});
+  Tensor ei = from_values("int32", {2, 1}, {0, 7});
+  Tensor permuted = zeros("float32", {2, 3}), sorted = zeros("int32", {2}), counts = zeros("int64", {4});
+  Attrs attrs;
+  attrs.set_int("num_experts", 4);
+  r.refuse("refusal_permute", "MoeTokenPermute", {&x, &ei, &permuted, &sorted, &counts}, attrs);
+}
+
 // float32 -> float16/bfloat16 rounding alone: an unpermute with one slot per token multiplies
 // rows of powers of two by float32 weights (exact), then rounds each product to the dtype. The
 // weights' bit patterns cover normal, subnormal, overflowing and half-way cases.
@@ -277,7 +301,7 @@ int main(int argc, char **argv) {
     return 2;
   }
   Runner r(lib, out);
-  for (auto group : {swiglu, gating, grouped_matmul, moe_ffn, moe_ffn_int8, permute, conversions}) group(r);
+  for (auto group : {swiglu, gating, grouped_matmul, moe_ffn, moe_ffn_int8, permute, refusals, conversions}) group(r);
   std::fclose(out);
   return r.failed() ? 1 : 0;
 }

@@ -3,12 +3,13 @@
 // README's benchmark shapes. For comparing builds; the benchmarks/ scripts compare against other
 // implementations.
 //
-//   time_kernels [--rounds N] [--only WORD] LABEL=LIBRARY[:PATH] ...
+//   time_kernels [--rounds N] [--only WORD] [--csv FILE] LABEL=LIBRARY[:PATH] ...
 //   time_kernels old=../main/ms_moe_ops/_kernels.so new=ms_moe_ops/_kernels.so
 //                new-avx2=ms_moe_ops/_kernels.so:avx2
 //
-// PATH sets MS_MOE_OPS_ISA for that contender's calls; --only keeps the cases whose name holds WORD. Prints each case's median time per
-// contender and its ratio to the first contender.
+// PATH sets MS_MOE_OPS_ISA for that contender's calls; --only keeps the cases whose name holds
+// WORD. Prints each case's median time per contender and its ratio to the first contender;
+// --csv also writes "case,contender,median_ms" rows (benchmarks/bench_isa.py reads them).
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -73,10 +74,13 @@ std::vector<Case> cases() {
          zeros("float32", {m, n})})
         ->set_float("routed_scaling_factor", 2.5f).set_float("eps", 1e-20f);
   }
-  {  // MoeFFN, M=4096, H=1024, F=2048, E=8
-    const int64_t m = 4096, h = 1024, f = 2048, e = 8;
+  // MoeFFN float32 and int8 (fastgelu, even split), at the README's shape and at the int8
+  // benchmark's (benchmarks/bench_ffn_int8.py --m 1024 --h 512 --f 1024 --e 8)
+  for (const auto &shape : {std::vector<int64_t>{4096, 1024, 2048, 8}, std::vector<int64_t>{1024, 512, 1024, 8}}) {
+    const int64_t m = shape[0], h = shape[1], f = shape[2], e = shape[3];
+    const std::string size = " M=" + std::to_string(m);
     Tensor tokens = from_values("int64", {e}, std::vector<double>(e, m / e));
-    add("moe_ffn float32 forward", "MoeFFN",
+    add("moe_ffn float32" + size, "MoeFFN",
         {random(rng, "float32", {m, h}), tokens, random(rng, "float32", {e, h, f}, 0.05), none,
          random(rng, "float32", {e, f, h}, 0.05), none, none, none, none, none, zeros("float32", {m, h})})
         ->set_str("activation", "fastgelu").set_bool("tokens_index_flag", false);
@@ -87,12 +91,15 @@ std::vector<Case> cases() {
       for (double &x : v) x = static_cast<double>(rng.integer(-128, 127));
       return from_values("int8", shape, v);
     };
-    add("moe_ffn int8 forward", "MoeFFN",
+    add("moe_ffn int8" + size, "MoeFFN",
         {ints({m, h}), tokens, ints({e, h, f}), none, ints({e, f, h}), none,
          from_values("float32", {e}, std::vector<double>(e, 0.05)), none,
          from_values("float32", {e, f}, std::vector<double>(e * f, 1.0 / 65536)),
-         from_values("float32", {e, h}, std::vector<double>(e * h, 1.0 / 65536)), zeros("bfloat16", {m, h})})
+         from_values("float32", {e, h}, std::vector<double>(e * h, 1.0 / 65536)), zeros("float32", {m, h})})
         ->set_str("activation", "fastgelu").set_bool("tokens_index_flag", false);
+  }
+  {  // MoeFFN's activation backward, M=4096, F=2048
+    const int64_t m = 4096, f = 2048;
     add("activation grad float32", "MoeFFNActivationGrad",
         {random(rng, "float32", {m, f}, 4.0), random(rng, "float32", {m, f}), zeros("float32", {m, f}),
          zeros("float32", {m, f})})
@@ -134,6 +141,7 @@ double seconds(harness::Library &lib, Case &c) {
 int main(int argc, char **argv) {
   int rounds = 7;
   std::string only;
+  FILE *csv = nullptr;
   std::vector<Contender> contenders;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -145,9 +153,15 @@ int main(int argc, char **argv) {
       only = argv[++i];
       continue;
     }
+    if (arg == "--csv" && i + 1 < argc) {
+      csv = std::fopen(argv[++i], "w");
+      if (!csv) return 2;
+      std::fprintf(csv, "case,contender,median_ms\n");
+      continue;
+    }
     const size_t eq = arg.find('='), colon = arg.rfind(':');
     if (eq == std::string::npos) {
-      std::fprintf(stderr, "usage: %s [--rounds N] [--only WORD] LABEL=LIBRARY[:PATH] ...\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--rounds N] [--only WORD] [--csv FILE] LABEL=LIBRARY[:PATH] ...\n", argv[0]);
       return 2;
     }
     const bool has_path = colon != std::string::npos && colon > eq;
@@ -175,10 +189,14 @@ int main(int argc, char **argv) {
       med.push_back(t[t.size() / 2] * 1e3);
     }
     std::printf("%-26s", c.name.c_str());
-    for (size_t i = 0; i < med.size(); ++i)
+    for (size_t i = 0; i < med.size(); ++i) {
       std::printf(" %8.2f %5.2fx", med[i], med[i] / med[0]);
+      if (csv) std::fprintf(csv, "%s,%s,%.4f\n", c.name.c_str(), contenders[i].label.c_str(), med[i]);
+    }
     std::printf("\n");
     std::fflush(stdout);
+    if (csv) std::fflush(csv);
   }
+  if (csv) std::fclose(csv);
   return 0;
 }

@@ -6,15 +6,12 @@
 - builtin(build, socs, ...): a MindSpore built-in primitive for Ascend.
 - composition(build): MindSpore ops only, so it runs on every device.
 """
-import functools
-import glob
-import os
-
 from mindspore import ops
 from mindspore.ops import DataType
 
 from . import _cann, _platform
 from ._checks import dtype_name, to_mstype
+from ._library import kernel_library, kernel_library_missing  # noqa: F401 (also used from here)
 from ._op import ABSENT, ACLNN, BUILTIN, COMPOSITION, KERNEL, AclnnBinding, Impl
 
 _PY_KINDS = {"int": int, "bool": bool, "float": float, "double": float, "str": str}
@@ -166,43 +163,6 @@ def dtype_rows(op, dtypes):
             variants = [v + (o,) for v in variants for o in options]
         rows += [v + tuple(row[len(op.inputs):]) for v in variants]
     return rows
-
-
-# -- CPU kernel library ---------------------------------------------------------------------
-
-def _library_path():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    found = sorted(glob.glob(os.path.join(here, "_kernels*.so")))
-    return found[0] if found else None
-
-
-def kernel_library_missing():
-    """'' when the CPU kernel library was built, else why the kernels cannot run."""
-    if _library_path() is None:
-        return ("the CPU kernel library was not built (no C++ compiler when the package was "
-                "installed); reinstall with a compiler (`pip install -e .`) for the fast kernels")
-    return ""
-
-
-def kernel_library():
-    """Path of the compiled CPU kernels (built by `pip install`)."""
-    path = _library_path()
-    if path is None:
-        raise RuntimeError(f"ms_moe_ops: {kernel_library_missing()}")
-    _preload_blas()
-    return path
-
-
-@functools.lru_cache(None)
-def _preload_blas():
-    # The kernels link libscipy_openblas by name; load it globally first so MindSpore's dlopen
-    # of the kernel library finds it wherever pip put it.
-    import ctypes  # pylint: disable=import-outside-toplevel
-    import scipy_openblas32  # pylint: disable=import-outside-toplevel
-
-    libdir = scipy_openblas32.get_lib_dir()
-    lib = scipy_openblas32.get_library()
-    ctypes.CDLL(os.path.join(libdir, f"lib{lib}.so"), mode=ctypes.RTLD_GLOBAL)
 
 
 # -- inference for Custom primitives --------------------------------------------------------------

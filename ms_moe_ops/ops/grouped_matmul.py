@@ -88,19 +88,20 @@ def _bprop(a):
 
 
 def _group_members(group_list, rows, cumulative):
-    """[rows, G] float32: 1 where a row belongs to a group (rows past the last group: none)."""
+    """[rows, G] bool: where a row belongs to a group (rows past the last group: none)."""
     ends = group_list if cumulative else ops.cumsum(group_list, 0)
     row = ops.arange(rows, dtype=ms.int64).reshape(-1, 1)
     owner = (row >= ends.reshape(1, -1)).astype(ms.int32).sum(1)
     groups = ops.arange(group_list.shape[0], dtype=ms.int32).reshape(1, -1)
-    return (owner.reshape(-1, 1) == groups).astype(ms.float32)
+    return owner.reshape(-1, 1) == groups
 
 
 def _composed(a):
     """One masked product per group, in float32: memory of one [M, N] product at a time (never
     a [G, M, N] tensor), G times the flops of the grouped product (every group's product covers
-    all M rows). Exact: the other groups' rows contribute zeros. The last resort where neither a
-    kernel nor a built-in runs (the resolver says so with a warning)."""
+    all M rows). Exact: each group takes its own rows' results, selected (not multiplied by a
+    mask: a NaN in another group's rows or in the padding stays there). The last resort where
+    neither a kernel nor a built-in runs (the resolver says so with a warning)."""
     transpose_x, transpose_weight, cumulative = a["transpose_x"], a["transpose_weight"], \
         a["cumulative"]
     matmul = ops.MatMul(transpose_a=transpose_x, transpose_b=transpose_weight)
@@ -109,15 +110,17 @@ def _composed(a):
         member = _group_members(group_list, x.shape[0], cumulative)        # [M, G]
         xf = x.astype(ms.float32)
         wf = weight.astype(ms.float32)
-        if transpose_x:  # out[g] = x_g^T @ weight_g: [G, K, N]
-            return ops.stack([matmul(xf * member[:, g:g + 1], wf)
+        if transpose_x:  # out[g] = x_g^T @ weight_g: [G, K, N], both operands' rows of group g
+            zero = ops.zeros((), dtype=ms.float32)
+            return ops.stack([matmul(ops.where(member[:, g:g + 1], xf, zero),
+                                     ops.where(member[:, g:g + 1], wf, zero))
                               for g in range(group_list.shape[0])]).astype(x.dtype)
-        y = None
+        y = ops.zeros((x.shape[0], wf.shape[1] if transpose_weight else wf.shape[2]),
+                      dtype=ms.float32)
         for g in range(group_list.shape[0]):
-            part = member[:, g:g + 1] * matmul(xf, wf[g])
-            y = part if y is None else y + part
+            y = ops.where(member[:, g:g + 1], matmul(xf, wf[g]), y)
         if bias is not None:
-            y = y + ops.matmul(member, bias.astype(ms.float32))
+            y = y + ops.matmul(member.astype(ms.float32), bias.astype(ms.float32))
         return y.astype(x.dtype)
 
     return f
@@ -152,7 +155,7 @@ def _builtin(a):
         if padded:
             group_list, covered = cover_every_row(group_list, x.shape[0], cumulative)
         if transpose_x:
-            if padded:
+            if padded:  # (a product: the padding rows the exchange makes are zeros)
                 x = x * covered.astype(x.dtype)
             return gmm_v2_op([view(x, 0, 1)], [weight], None, group_list, 2, list_type)[0]
         if transpose_weight:
