@@ -3,7 +3,7 @@ side with transformers' own model of the same checkpoint (torch, CPU), same weig
 
 A DeepSeek-V3 (or --family qwen3_moe) of a few layers is made by transformers with its own random
 initialisation and written with save_pretrained; ms_moe_ops.convert converts it and
-MoECausalLM.from_pretrained loads it; the logits of the two are compared before anything is
+load_pretrained loads it; the logits of the two are compared before anything is
 timed. One training step = the next-token loss of a [batch, seq] token batch, its gradients
 and an SGD update of every weight, on both sides:
 
@@ -76,8 +76,8 @@ def main(argv=None):
     import torch
     import transformers
 
-    from ms_moe_ops.convert import convert_checkpoint
-    from ms_moe_ops.models import CausalLMLoss, MoECausalLM
+    from ms_moe_ops.convert import convert_checkpoint, load_pretrained
+    from ms_moe_ops.models import CausalLMLoss
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -89,7 +89,7 @@ def main(argv=None):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(a)).float()
         model.save_pretrained(os.path.join(work, "hf"))
         convert_checkpoint(os.path.join(work, "hf"), os.path.join(work, "ms"))
-        net = MoECausalLM.from_pretrained(os.path.join(work, "ms"))
+        net = load_pretrained(os.path.join(work, "ms"))
         theirs = {"transformers (torch)": model}
         try:
             grouped = transformers.AutoModelForCausalLM.from_pretrained(

@@ -92,8 +92,8 @@ def main(argv=None):
     from tqdm import tqdm
 
     import ms_moe_ops
-    from ms_moe_ops.convert import convert_checkpoint, export_checkpoint
-    from ms_moe_ops.models import CausalLMLoss, MoECausalLM, generate
+    from ms_moe_ops.convert import convert_checkpoint, export_checkpoint, load_pretrained
+    from ms_moe_ops.models import CausalLMLoss, generate
 
     ms.set_device("CPU")
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
@@ -108,7 +108,7 @@ def main(argv=None):
         make_checkpoint(source, args)
     converted = os.path.join(args.out, "ms")
     report = convert_checkpoint(source, converted, overwrite=True)
-    net = MoECausalLM.from_pretrained(converted, bias_update_rate=args.bias_update_rate)
+    net = load_pretrained(converted, bias_update_rate=args.bias_update_rate)
     params = sum(int(np.prod(p.shape)) for p in net.trainable_params())
     print(f"{source} -> {converted}: {report['tensors']} tensors; {net.config.num_layers} layers "
           f"({len(net.config.moe_layers)} MoE, {net.config.moe.num_experts} experts top-"

@@ -381,12 +381,12 @@ RULES = (
          "CANN aclnnFFNV3: x FLOAT16/BFLOAT16/INT8, expertTokens INT64 <= 256, biases FLOAT16 "
          "(float16), FLOAT32 (bfloat16), INT32 (int8), K and N < 65536, y FLOAT16/BFLOAT16, "
          "activation fastgelu/gelu/relu/silu",
-         _ffn_v3, expected=lambda soc, dtype: soc == A2 and dtype != "float32"),
+         _ffn_v3, expected=lambda soc, dtype: soc == A2 and dtype == "float16"),
     Rule("ffn-soc", ("aclnnFFNV3", "FFNExt"),
          "CANN aclnnFFN / aclnnFFNV3: Atlas A2 only",
          lambda graph, soc: [m for k in ("aclnnFFNV3", "FFNExt") for m in
                              _only_on(k, (A2,))(graph, soc)],
-         expected=lambda soc, dtype: soc == A2 and dtype != "float32"),
+         expected=lambda soc, dtype: soc == A2 and dtype == "float16"),
     Rule("permute", ("MoeTokenPermute",),
          "MindSpore 2.10 ops.moe_token_permute: tokens 2-D, indices int32/int64 rank <= 2, "
          "top-k <= 512",

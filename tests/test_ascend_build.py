@@ -18,7 +18,7 @@ from ms_moe_ops.ops.ffn import MOE_FFN
 from ms_moe_ops.ops.grouped_matmul import cover_every_row
 from ascend_sim import ASCEND_ONLY, as_on, backend_refusal
 from conftest import cpu_only, grad, numpy, run, tensor
-from test_compositions import CASES, _t
+from cases import CASES, compare, op_input as _t
 
 pytestmark = cpu_only("builds the Ascend implementations on CPU, where they cannot run")
 
@@ -158,8 +158,6 @@ PYNATIVE_REFUSALS = ("Not found op", "unregistered", "Not implement exception")
 def test_pynative_choices_run_or_only_miss_their_cpu_kernel(monkeypatch, soc, case):
     # what runs on the device in PyNative mode: a composition gives the golden results here; a
     # built-in gets through MindSpore's argument handling and stops only at the missing kernel
-    from test_compositions import _compare
-
     op, inputs, attrs, golden = CASES[case](np.random.default_rng(4), "float32")
     as_on(monkeypatch, soc)
     args = [_t(a, "float32") for a in inputs]
@@ -175,4 +173,4 @@ def test_pynative_choices_run_or_only_miss_their_cpu_kernel(monkeypatch, soc, ca
         assert any(words in str(error) for words in PYNATIVE_REFUSALS), str(error)[:500]
         return
     assert chosen.name == "composition", "a built-in ran on CPU"
-    _compare(out, golden, "float32")
+    compare(out, golden, "float32")

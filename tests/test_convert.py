@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from ms_moe_ops import convert_moe_checkpoint
-from ms_moe_ops.convert import TensorFiles, convert_checkpoint, export_checkpoint, load_checkpoint
+from ms_moe_ops.convert import (TensorFiles, convert_checkpoint, export_checkpoint, load_checkpoint,
+                                load_pretrained)
 from ms_moe_ops.convert import __main__ as command
 from ms_moe_ops.convert._safetensors import SafetensorsWriter, cast
 from ms_moe_ops.models import CausalLMConfig, MoECausalLM
@@ -128,7 +129,7 @@ def test_trained_model_exports_to_transformers(tmp_path, rng):
     already rounded to bfloat16, so that both sides hold the same values)."""
     model = hf_model("deepseek_v3", rng)
     convert_checkpoint(save(model, tmp_path / "hf"), tmp_path / "ms")
-    net = MoECausalLM.from_pretrained(str(tmp_path / "ms"))
+    net = load_pretrained(str(tmp_path / "ms"))
     bias = net.model.layers[2].mlp.router.expert_bias
     bias.set_data(bias + ms_tensor(rng.normal(0, 0.1, bias.shape)))
     w1 = net.model.layers[1].mlp.experts.weight1
@@ -297,7 +298,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, rng, monkeypatch):
 def test_export_and_load_errors(tmp_path, rng):
     model = hf_model("qwen3_moe", rng)
     convert_checkpoint(save(model, tmp_path / "hf"), tmp_path / "ms")
-    net = MoECausalLM.from_pretrained(str(tmp_path / "ms"))
+    net = load_pretrained(str(tmp_path / "ms"))
     bias = net.model.layers[1].mlp.router.expert_bias
     bias.set_data(bias + 0.1)
     with pytest.raises(ValueError, match="model.layers.1.mlp.router.expert_bias is not zero"):
@@ -315,7 +316,7 @@ def test_export_and_load_errors(tmp_path, rng):
     with pytest.raises(ValueError, match=r"'model\.layers\.2\..*' is not a parameter"):
         load_checkpoint(str(tmp_path / "ms"), other)
     with pytest.raises(ValueError, match="ms_moe_ops.convert converts it"):
-        MoECausalLM.from_pretrained(str(tmp_path / "hf"))
+        load_pretrained(str(tmp_path / "hf"))
 
 
 def test_bfloat16_rounding_is_to_nearest_even():

@@ -13,7 +13,7 @@ import pytest
 from ms_moe_ops.ops import OPERATORS
 from ms_moe_ops.ops._impls import kernel_library
 from conftest import cpu_only
-from test_compositions import CASES
+from cases import CASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = os.path.join(ROOT, "custom_aot", "harness", "infer_shapes.cc")

@@ -7,7 +7,7 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor
 
-from ms_moe_ops.convert import convert_checkpoint
+from ms_moe_ops.convert import convert_checkpoint, load_pretrained
 from ms_moe_ops.models import CausalLMConfig, CausalLMLoss, MoECausalLM, generate
 
 torch = pytest.importorskip("torch")
@@ -28,7 +28,7 @@ def converted(family, tmp_path, rng, layout="per-expert", **overrides):
     model = hf_model(family, rng, **overrides)
     save(model, tmp_path / "hf", layout, shards=3)
     convert_checkpoint(tmp_path / "hf", tmp_path / "ms")
-    return model, MoECausalLM.from_pretrained(str(tmp_path / "ms"))
+    return model, load_pretrained(str(tmp_path / "ms"))
 
 
 def logits_error(model, net, ids, mode):

@@ -6,7 +6,7 @@ import pytest
 from ms_moe_ops.ops import OPERATORS, _op, _platform
 from ms_moe_ops.ops._checks import dtype_name
 from conftest import kernels_missing, run
-from test_compositions import CASES, _t
+from cases import CASES, op_input as _t
 
 # the first case of each operator, in float32 and bfloat16 (half precision for every float input)
 _FIRST = {}

@@ -34,6 +34,7 @@ import tempfile
 import numpy as np
 import mindspore as ms
 
+from ..models import MoECausalLM
 from ..models.config import CausalLMConfig
 from ..nn.families import convert_moe_checkpoint
 from ._layout import LAYOUTS, block_prefixes, block_tensors, export_block, export_prefix
@@ -422,6 +423,13 @@ def _parameters(params):
 
 
 # -- MindSpore side -----------------------------------------------------------------------------
+
+def load_pretrained(path, **moe_overrides):
+    """The MoECausalLM of a directory written by convert_checkpoint (its config.json and
+    weights); moe_overrides set MoEConfig options (bias_update_rate, the training losses)."""
+    net = MoECausalLM(CausalLMConfig.from_transformers(path, **moe_overrides))
+    return load_checkpoint(path, net)
+
 
 def load_checkpoint(path, net=None):
     """A checkpoint directory written by convert_checkpoint (or one safetensors file) -> the

@@ -39,8 +39,8 @@ class MoECausalLM(nn.Cell):
     Parameter names are those of transformers' `...ForCausalLM` (`model.embed_tokens.weight`,
     `model.layers.{i}.self_attn.q_proj.weight`, ..., `lm_head.weight`); each MoE block at
     `model.layers.{i}.mlp.` is a MoELayer (`router.weight`, `router.expert_bias`,
-    `experts.weight1`, ...). `MoECausalLM.from_pretrained(dir)` builds the model of a directory
-    written by `ms_moe_ops.convert.convert_checkpoint` and loads its weights;
+    `experts.weight1`, ...). `ms_moe_ops.convert.load_pretrained(dir)` builds the model of a
+    directory written by `ms_moe_ops.convert.convert_checkpoint` and loads its weights;
     `ms_moe_ops.convert.export_checkpoint` writes them back in transformers' layout.
 
     No KV cache: every call runs the whole sequence (`generate` keeps one fixed-size window, so
@@ -63,17 +63,6 @@ class MoECausalLM(nn.Cell):
         if self.tied:
             return ops.matmul(h, self.model.embed_tokens.weight.swapaxes(0, 1))
         return self.lm_head(h)
-
-    @classmethod
-    def from_pretrained(cls, path, **moe_overrides):
-        """The model of a directory written by `ms_moe_ops.convert.convert_checkpoint` (its
-        config.json and weights); moe_overrides set MoEConfig options (bias_update_rate, the
-        training losses)."""
-        from ..convert import load_checkpoint  # here: ms_moe_ops.convert imports this package
-
-        net = cls(CausalLMConfig.from_transformers(path, **moe_overrides))
-        load_checkpoint(path, net)
-        return net
 
 
 class CausalLMLoss(nn.Cell):

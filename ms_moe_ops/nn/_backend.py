@@ -2,30 +2,8 @@
 import mindspore as ms
 from mindspore import ops
 
-from .. import _compat, ops as moe_ops
+from .. import ops as moe_ops
 from ._precision import SelfCastingCell
-
-def count(index, bins):
-    """How often each of 0..bins-1 occurs in the int32 tensor index (any shape, also empty):
-    float32 [bins], exact (counts below 2**24). bins may be known only at run time.
-
-    Not a scatter-add: TensorScatterElements with reduction "add" loses concurrent updates on
-    CPU, mint.bincount and mint.scatter_add have no CPU kernel, and IndexAdd writes into its
-    first input (in a GRAPH-mode gradient graph two counts into zero buffers of one shape came
-    out added together) and its CPU kernel refuses zero updates. A histogram with bins centred
-    on the integers when bins is a constant; else the edges of each value in the sorted index.
-    The value appended (outside every bin) keeps an empty index from an empty sort or an
-    uninitialised histogram in a dynamic-shape graph."""
-    if _compat.is_constant(bins):
-        flat = ops.concat((index.reshape(-1).astype(ms.float32),
-                           ops.full((1,), -1.0, dtype=ms.float32)))
-        return ops.histc(flat, bins, -0.5, bins - 0.5)
-    flat = ops.concat((index.reshape(-1).astype(ms.float32),
-                       ops.full((1,), bins, dtype=ms.float32)))
-    ordered, _ = ops.sort(flat)
-    edges = ops.searchsorted(ordered, ops.arange(bins + 1).astype(ms.float32))
-    return (edges[1:] - edges[:-1]).astype(ms.float32)
-
 
 def rows_of(x):
     """int64 [1] holding x's row count: the one group of a grouped_matmul over all of x."""

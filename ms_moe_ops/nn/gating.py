@@ -9,7 +9,8 @@ from mindspore import Parameter, Tensor, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..ops.gating import GATING_TOP_K, moe_gating_top_k
-from ._backend import count, project
+from ..ops._indexing import count
+from ._backend import project
 from ._checks import TOKENS, checked, config_of, int_arg
 from ._precision import SelfCastingCell
 from .config import RouterConfig
@@ -115,7 +116,7 @@ class GatingTopK(SelfCastingCell):
             routed_scaling_factor=self.routed_scaling_factor)
         if self.gather_unnormalised:
             weights = ops.gather_elements(scores, 1, expert_idx) * self.routed_scaling_factor
-        counts = ops.stop_gradient(count(expert_idx, self.num_experts))
+        counts = ops.stop_gradient(count(expert_idx, self.num_experts).astype(ms.float32))
         load = counts
         if self.count_reducer is not None:
             load = self.count_reducer(load)  # every rank's tokens; the losses keep this rank's

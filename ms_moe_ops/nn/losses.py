@@ -12,7 +12,7 @@ Notation: T tokens, E experts, K experts per token; logits [T, E] float32; count
 import mindspore as ms
 from mindspore import Tensor, ops
 
-from ._backend import count
+from ..ops._indexing import count
 from ._precision import SelfCastingCell
 
 __all__ = ["AuxLossScaler", "balance_probs", "switch_aux_loss", "sequence_aux_loss",
@@ -72,7 +72,8 @@ def sequence_aux_loss(probs, expert_idx, num_sequences):
     # each sequence's (token, slot) pairs in one row, counted per expert (as flat indices s * E + e)
     slots = expert_idx.reshape(num_sequences, -1)
     flat = slots + ops.arange(num_sequences, dtype=slots.dtype).reshape(-1, 1) * num_experts
-    counts = count(flat, num_sequences * num_experts).reshape(num_sequences, num_experts)
+    counts = count(flat, num_sequences * num_experts).astype(ms.float32).reshape(num_sequences,
+                                                                                num_experts)
     p_sum = probs.reshape(num_sequences, -1, num_experts).sum(axis=1)
     s = _tokens(probs) / num_sequences
     return (ops.stop_gradient(counts) * p_sum).sum() * num_experts / (k * s * s * num_sequences)

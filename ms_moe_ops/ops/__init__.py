@@ -6,7 +6,7 @@ from .grouped_matmul import GROUPED_MATMUL, grouped_matmul
 from .permute import (PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD, moe_token_permute,
                       moe_token_unpermute, moe_token_unpermute_backward)
 from .swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD, swiglu_group, swiglu_group_quant_grad
-from ._op import record_choices
+from ._op import record_choices  # noqa: F401 (ms_moe_ops.ops.record_choices)
 
 # Every operator declaration (OpDef), public operators first: what the resolver, the tests and
 # the README's implementation table go through.

@@ -1,15 +1,14 @@
-"""Index arithmetic of the compositions, from MindSpore operators every device runs in both modes.
+"""Index arithmetic of the compositions and Cells, from MindSpore operators every device runs in
+both modes: counts, inverse permutations, sums at indices, rows at indices.
 
-No scatter with a reduction (Ascend's TensorScatterElements supports none) and none of the
-scatters MindSpore 2.10 documents as deprecated (tensor_scatter_add, scatter_nd,
-tensor_scatter_elements): sums at indices go through an index add, and a scatter to distinct
-positions becomes a gather through the inverse permutation. The index add is MindSpore's
-IndexAddExt on Ascend (mint.index_add: aclnnIndexAdd, a new output), and elsewhere the IndexAdd
-primitive (the one with a CPU kernel; it writes its first input in place, and a zeros buffer of
-a static shape may be folded into a constant of the graph, which a device must not write in
-place; its functional form ops.index_add changes its signature after 2.9.0). Float sums at one index are of two terms at most in what the router produces
-(distinct experts per row; a duplicated expert adds two terms, which commute exactly), so the
-results do not depend on the device's accumulation order; counts are integers.
+None of the scatters MindSpore 2.10 documents as deprecated (tensor_scatter_add, scatter_nd,
+tensor_scatter_elements, whose reduction Ascend does not support and whose CPU kernel loses
+concurrent updates), and no IndexAdd: it writes into its first input, and in a GRAPH-mode graph
+MindSpore folds equal zero buffers into one constant, so two index adds into "fresh" zeros of one
+shape came out added together. Counts and inverses come from sorts (exact integers); a sum at
+indices is mint.index_add on Ascend (IndexAddExt: aclnnIndexAdd, a new output) and a one-hot
+product elsewhere (its CPU has no IndexAddExt kernel; CPU compositions run only without this
+package's kernels, on small batches).
 """
 import mindspore as ms
 from mindspore import mint, ops
@@ -17,7 +16,6 @@ from mindspore import mint, ops
 from .. import _compat
 from . import _platform
 
-_INDEX_ADD = ops.IndexAdd(axis=0)
 # the Gather primitive: ops.gather changes its parameter order and semantics after 2.9.0
 _GATHER = ops.Gather()
 
@@ -27,45 +25,34 @@ def take_rows(x, index):
     return _GATHER(x, index, 0)
 
 
-def _out_of_place(target, index, values):
-    return mint.index_add(target, 0, index, values)
-
-
-def _index_add_now():
-    return _out_of_place if _platform.device_target() == "Ascend" else _INDEX_ADD
-
-
-# chosen in Python while a graph is built (once per call in PyNative mode)
-_index_add = _compat.run_at_compile_time(_index_add_now)
-
-
-def add_at(target, index, values):
-    """target (1-D or 2-D, zeros made for it) with values [n] (or [n, H]) added at rows index
-    [n], duplicates summed. float16/float32/int32."""
-    return _index_add()(target, index.astype(ms.int32), values)
-
-
 def count(index, length):
-    """int64 [length]: how often each value in [0, length) occurs in index (any shape, int32)."""
-    flat = index.reshape(-1)
-    ones = ops.ones_like(flat).astype(ms.int32)
-    return add_at(ops.zeros((length,), dtype=ms.int32), flat, ones).astype(ms.int64)
-
-
-def add_per_row(shape_like, index, values):
-    """float32 zeros of shape_like's shape [M, N] with values [M, K] added at columns
-    index [M, K] of their row (duplicates in a row summed): out[i, index[i, p]] += values[i, p]."""
-    n = shape_like.shape[-1]
-    rows = ops.cumsum(ops.ones_like(index[:, :1]), 0) - 1               # [M, 1]: 0, 1, ..
-    flat = (rows * n + index).reshape(-1)
-    target = ops.zeros_like(shape_like).astype(ms.float32).reshape(-1)
-    return add_at(target, flat, values.astype(ms.float32).reshape(-1)).reshape(shape_like.shape)
+    """int64 [length]: how often each value in [0, length) occurs in index (int, any shape, also
+    empty; length may be known only at run time): the edges of each value in the sorted index.
+    A sentinel (length, after every value) keeps the sort non-empty."""
+    flat = ops.concat((index.reshape(-1).astype(ms.int32),
+                       ops.full((1,), length, dtype=ms.int32)))
+    ordered, _ = ops.sort(flat)
+    edges = ops.searchsorted(ordered, ops.arange(length + 1, dtype=ms.int32))
+    return (edges[1:] - edges[:-1]).astype(ms.int64)
 
 
 def inverse_permutation(perm):
-    """int32 inv with inv[perm[i]] = i, for a permutation perm of [0, n)."""
-    position = ops.cumsum(ops.ones_like(perm).astype(ms.int32), 0) - 1
-    return add_at(ops.zeros_like(perm).astype(ms.int32), perm, position)
+    """int32 inv with inv[perm[i]] = i, for a permutation perm of [0, n): its argsort."""
+    _, inverse = ops.sort(perm.astype(ms.int32))
+    return inverse.astype(ms.int32)
+
+
+def inverse_index(index, rows):
+    """For index [n] mapping output rows to distinct source rows in [0, rows) or to `rows`
+    (padding): int64 [rows] mapping each source row back to the output row that read it, or to
+    `rows` when none did."""
+    _, order = ops.sort(index.astype(ms.int32))
+    ordered = take_rows(index.astype(ms.int32), order)
+    sources = ops.arange(rows, dtype=ms.int32)
+    at = ops.minimum(ops.searchsorted(ordered, sources), index.shape[0] - 1)
+    found = take_rows(ordered, at) == sources
+    return ops.where(found, take_rows(order, at).astype(ms.int64),
+                     ops.full((rows,), rows, dtype=ms.int64))
 
 
 def stable_order(keys):
@@ -75,3 +62,32 @@ def stable_order(keys):
     position = ops.cumsum(ops.ones_like(keys).astype(ms.int64), 0) - 1
     _, order = ops.sort(keys.astype(ms.int64) * n + position)
     return order.astype(ms.int32)
+
+
+def _index_add_per_row(shape_like, index, values):
+    n = shape_like.shape[-1]
+    rows = ops.cumsum(ops.ones_like(index[:, :1]), 0) - 1               # [M, 1]: 0, 1, ..
+    flat = (rows * n + index).reshape(-1).astype(ms.int32)
+    target = ops.zeros_like(shape_like).astype(ms.float32).reshape(-1)
+    return mint.index_add(target, 0, flat, values.reshape(-1)).reshape(shape_like.shape)
+
+
+def _one_hot_per_row(shape_like, index, values):
+    columns = ops.arange(shape_like.shape[-1], dtype=index.dtype).reshape(1, 1, -1)
+    hits = (index.expand_dims(-1) == columns).astype(ms.float32)           # [M, K, N]
+    return (values.expand_dims(-1) * hits).sum(1)
+
+
+def _per_row_now():
+    return _index_add_per_row if _platform.device_target() == "Ascend" else _one_hot_per_row
+
+
+# chosen in Python while a graph is built (at every call in PyNative mode)
+_per_row = _compat.run_at_compile_time(_per_row_now)
+
+
+def add_per_row(shape_like, index, values):
+    """float32 zeros of shape_like's shape [M, N] with values [M, K] added at columns
+    index [M, K] of their row (duplicates in a row summed): out[i, index[i, p]] += values[i, p].
+    IndexAddExt on Ascend; elsewhere a one-hot product ([M, K, N] floats)."""
+    return _per_row()(shape_like, index, values.astype(ms.float32))

@@ -19,9 +19,10 @@ rows to their origins and all-reduces again. It moves n times the data of an all
 needs the same M on every rank.
 """
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import ops
 
-from ..ops._indexing import add_at, take_rows
+from ..nn._precision import SelfCastingCell
+from ..ops._indexing import inverse_index as _inverse_index, take_rows
 
 __all__ = ["AllReduceExchange", "AlltoAllVExchange", "chunk_rows", "transpose_chunks_index",
            "inverse_index"]
@@ -54,16 +55,12 @@ def inverse_index(index):
     """The gather index that undoes one: index [rows] maps each output row to a distinct source
     row, or to `rows` (padding); the result maps each source row back to its output row, and the
     source rows no output row read to `rows`. int64 [rows]."""
-    rows = index.shape[0]
-    # add (position - rows) at each index, then rows: unread source rows end at rows; the padding
-    # entries land on the extra last element (adding 0), which is dropped
-    position = ops.arange(rows, dtype=ms.int32)
-    moved = ops.where(index == rows, ops.zeros_like(position), position - rows)
-    back = add_at(ops.zeros((rows + 1,), dtype=ms.int32), index, moved)
-    return (back[:rows] + rows).astype(ms.int64)
+    return _inverse_index(index, index.shape[0])
 
 
-class AllReduceExchange(nn.Cell):
+# The exchanges are SelfCastingCells: mixed precision (O2's to_float on every Cell) must not
+# cast the rows they carry.
+class AllReduceExchange(SelfCastingCell):
     """The exchange pair with static shapes from AllReduce (see the module docstring)."""
 
     def __init__(self, ep):
@@ -109,7 +106,7 @@ class AllReduceExchange(nn.Cell):
         return ops.concat(parts)
 
 
-class AlltoAllVExchange(nn.Cell):
+class AlltoAllVExchange(SelfCastingCell):
     """The exchange pair as ops.AlltoAllV (HCCL on Ascend; no CPU kernel). Exact sizes: dispatch
     returns [R, H] with R = sum(send[:, r]) (a dynamic shape), combine [M, H]. MindSpore's
     backward of AlltoAllV is AlltoAllV with the two lists swapped, which is the other function
