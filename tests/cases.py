@@ -115,6 +115,25 @@ def int8_ffn(v, mode="pynative", **kw):
     return run(fn, *(None if v[n] is None else Tensor(v[n]) for n in INT8_FFN_INPUTS), mode=mode)
 
 
+def as_f32(y):
+    return numpy(y).astype(np.float32)
+
+
+def assert_int8_matches(y, expected, v, activation):
+    """Bit for bit; with an exp-based activation the kernel's float32 exp may differ from the
+    golden model's float64 one in the last bit and flip a rounding (about one value in 30000):
+    allow a rare one-step difference in a requantised value (|w2| * deq_scale2 per output)."""
+    y, expected = as_f32(y), np.asarray(expected, np.float32)
+    assert y.shape == expected.shape
+    if activation == "relu":
+        np.testing.assert_array_equal(y, expected)
+        return
+    rows = (y != expected).any(axis=1)  # one flipped value changes its whole output row
+    assert rows.sum() <= max(1, 0.02 * len(rows)), f"{rows.sum()} of {len(rows)} rows differ"
+    step = 128 * ref._deq_scale_values(v["dq2"]).max() * 2
+    assert np.abs(y - expected).max(initial=0) <= step
+
+
 # -- the expert-parallel case -------------------------------------------------------------------
 # Run by both sides of tests/test_parallel_distributed.py: the msrun workers (tests/ep_worker.py,
 # one rank each) and the single process that holds every expert and takes the tokens of all ranks.

@@ -81,6 +81,36 @@ MARKERS = {
 }
 
 
+# -- hypothesis profiles ----------------------------------------------------------------------------
+# The property tests (tests/test_properties*.py) run a few examples each in the default run, the
+# same ones every time (derandomize: a failure is reproduced by running the test again, and no
+# example database is kept between runs); HYPOTHESIS_PROFILE=ci (.ci/run's long pass) runs ten
+# times as many. The function-scoped fixtures of this file (seeds, mode, the instruction-set path)
+# are set once per test, the same for all of its examples, as intended.
+PROFILE_ENV = "HYPOTHESIS_PROFILE"
+DEFAULT_EXAMPLES = 10
+try:
+    from hypothesis import HealthCheck, settings as _hypothesis_settings
+except ImportError:  # (the test extra installs it; the property tests skip without it)
+    _hypothesis_settings = None
+else:
+    _QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+              HealthCheck.data_too_large, HealthCheck.filter_too_much]
+    _hypothesis_settings.register_profile(
+        "default", derandomize=True, database=None, deadline=None, print_blob=True,
+        max_examples=DEFAULT_EXAMPLES, suppress_health_check=_QUIET)
+    _hypothesis_settings.register_profile("ci", _hypothesis_settings.get_profile("default"),
+                                          max_examples=10 * DEFAULT_EXAMPLES)
+    _hypothesis_settings.load_profile(os.environ.get(PROFILE_ENV, "default"))
+
+
+def examples(n):
+    """Hypothesis settings for a property worth n examples in the default run (scaled by the
+    profile: ten times as many under HYPOTHESIS_PROFILE=ci)."""
+    current = _hypothesis_settings.default.max_examples
+    return _hypothesis_settings(max_examples=max(1, n * current // DEFAULT_EXAMPLES))
+
+
 def pytest_terminal_summary(terminalreporter, config):
     # the order's seed also at the end, where `pytest -q` (which drops the header) shows it
     if config.pluginmanager.hasplugin("randomly"):

@@ -8,7 +8,8 @@ from mindspore import Tensor
 
 from ms_moe_ops import moe_ffn, reference
 from ms_moe_ops.nn import MoeFFN, QuantMoeFFN, quantize_moe_ffn
-from cases import INT8_FFN_INPUTS as NAMES, int8_ffn as _call, int8_ffn_case as _case
+from cases import (INT8_FFN_INPUTS as NAMES, as_f32 as _as_f32, assert_int8_matches as _assert_matches,
+                   int8_ffn as _call, int8_ffn_case as _case)
 from conftest import grad, needs_kernels, numpy, run, tensor
 
 # the kernels run under every instruction-set path; the int8 path has no composition
@@ -19,25 +20,6 @@ ACTIVATIONS = ["fastgelu", "gelu", "relu", "silu"]
 def _golden(v, **kw):
     return reference.moe_ffn_quant(*(v[n] for n in NAMES[:2]), v["w1"], v["w2"], v["b1"], v["b2"],
                                    v["scale"], v["offset"], v["dq1"], v["dq2"], **kw)
-
-
-def _as_f32(y):
-    return numpy(y).astype(np.float32)
-
-
-def _assert_matches(y, expected, v, activation):
-    """Bit for bit; with an exp-based activation the kernel's float32 exp may differ from the
-    golden model's float64 one in the last bit and flip a rounding (about one value in 30000):
-    allow a rare one-step difference in a requantised value (|w2| * deq_scale2 per output)."""
-    y, expected = _as_f32(y), np.asarray(expected, np.float32)
-    assert y.shape == expected.shape
-    if activation == "relu":
-        np.testing.assert_array_equal(y, expected)
-        return
-    rows = (y != expected).any(axis=1)  # one flipped value changes its whole output row
-    assert rows.sum() <= max(1, 0.02 * len(rows)), f"{rows.sum()} of {len(rows)} rows differ"
-    step = 128 * reference._deq_scale_values(v["dq2"]).max() * 2
-    assert np.abs(y - expected).max(initial=0) <= step
 
 
 # -- golden model ---------------------------------------------------------------------------------
