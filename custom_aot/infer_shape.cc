@@ -165,7 +165,11 @@ MOE_EXPORT Shape MoeTokenUnpermuteInferShape(int *ndims, int64_t **shapes, void 
 //   -> grad_permuted (shaped like permuted), grad_probs [T, K]
 MOE_EXPORT Shapes MoeTokenUnpermuteBackwardInferShape(int *ndims, int64_t **shapes, void *extra) {
   const Shape permuted = shape_of(ndims, shapes, 0);
-  const Shape grad_out = shape_of(ndims, shapes, attrs(extra)->GetAttrBool("with_probs") ? 3 : 2);
+  const bool with_probs = attrs(extra)->GetAttrBool("with_probs");
+  const Shape grad_out = shape_of(ndims, shapes, with_probs ? 3 : 2);
   const int64_t k = slots(ndims, shapes, attrs(extra));
-  return {permuted, {tokens(dim(grad_out, 0, 2), dim(permuted, 0, 2), k), k}};
+  // T: grad_out's rows, else probs' rows (whichever is known: the Python inference uses both)
+  int64_t t = dim(grad_out, 0, 2);
+  if (t < 0 && with_probs) t = dim(shape_of(ndims, shapes, 2), 0, 2);
+  return {permuted, {tokens(t, dim(permuted, 0, 2), k), k}};
 }

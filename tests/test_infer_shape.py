@@ -78,3 +78,95 @@ def test_cpp_and_python_infer_the_same_shapes(infer_shapes):
              if want != got]
     assert len(answers) == len(expected) and not wrong, "\n".join(
         f"{name} ({how} shapes): Python {want}, C++ {got}" for name, how, want, got in wrong)
+
+
+# -- the same over drawn shapes -------------------------------------------------------------------
+# Every operator with a kernel, shapes drawn by hypothesis (every rank the operator takes: 1..8 for
+# the activation gradient), each input's shape given whole, with some dimensions unknown (the
+# last one among them), or with its rank unknown.
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, strategies as st  # noqa: E402
+
+from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD, MOE_FFN  # noqa: E402
+from ms_moe_ops.ops.gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD,  # noqa: E402
+                                   GATING_TOP_K)
+from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL  # noqa: E402
+from ms_moe_ops.ops.permute import PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD  # noqa: E402
+from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD  # noqa: E402
+from conftest import examples  # noqa: E402
+
+DIM = st.integers(1, 9)
+
+
+@st.composite
+def valid_calls(draw):
+    """(op, attrs, input shapes) of a call the declaration accepts (None: an absent input)."""
+    op = draw(st.sampled_from(sorted(SYMBOLS, key=lambda o: o.name)))
+    opt = lambda shape: draw(st.sampled_from([shape, None]))  # noqa: E731
+    m, n, k = draw(DIM), draw(DIM), draw(DIM)
+    if op is GATING_TOP_K:
+        return op, dict(k=min(k, n)), [[m, n], opt([n])]
+    if op in (GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_GRAD):
+        n = max(n, 2)
+        shapes = [[m, n], [m, min(k, n)], [m, min(k, n)]]
+        return op, {}, shapes + ([opt([m, n])] if op is GATING_GRAD else [])
+    if op in (SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD):
+        lead = draw(st.lists(DIM, min_size=1, max_size=2))
+        weight, groups = opt(lead + [1]), opt([k])
+        if op is SWIGLU_GROUP:
+            return op, {}, [lead + [2 * n], weight, groups]
+        y_origin = lead + [n] if weight is not None else opt(lead + [n])
+        return op, {}, [lead + [n], lead + [2 * n], weight, y_origin, groups]
+    if op is MOE_FFN:
+        e, f = draw(DIM), draw(DIM)
+        return op, {}, [[m, n], [e], [e, n, f], opt([e, f]), [e, f, n], opt([e, n])] + [None] * 4
+    if op is FFN_ACTIVATION_GRAD:
+        h = draw(st.lists(st.integers(0, 4), min_size=1, max_size=8))
+        return op, {}, [h, h]
+    if op is GROUPED_MATMUL:
+        form = draw(st.sampled_from(["plain", "transpose_weight", "transpose_x"]))
+        attrs = dict(transpose_x=form == "transpose_x", transpose_weight=form == "transpose_weight")
+        if form == "transpose_x":
+            return op, attrs, [[m, k], [m, n], [draw(DIM)], None]
+        g = draw(DIM)
+        w = [g, n, k] if form == "transpose_weight" else [g, k, n]
+        return op, attrs, [[m, k], w, [g], opt([g, n])]
+    if op is PERMUTE:
+        return op, dict(num_experts=draw(DIM)), [[m, n], [m, k]]
+    with_probs = draw(st.booleans())
+    attrs = dict(with_probs=with_probs, top_k=draw(st.sampled_from([0, k])) if with_probs else k)
+    shapes = [[m * k, n], [m * k], [m, k] if with_probs else None]
+    return op, attrs, shapes + ([[m, n]] if op is UNPERMUTE_BACKWARD else [])
+
+
+@st.composite
+def partly_known(draw, shape):
+    """shape, with some dimensions unknown (-1), or its rank unknown ([-2])."""
+    how = draw(st.sampled_from(["known", "last", "some", "rank"]))
+    if how == "rank":
+        return [-2]
+    if how == "known" or not shape:
+        return list(shape)
+    if how == "last":
+        return list(shape[:-1]) + [-1]
+    return [-1 if draw(st.booleans()) else d for d in shape]
+
+
+@given(st.data())
+@examples(30)
+def test_cpp_and_python_infer_the_same_shapes_of_drawn_calls(infer_shapes, data):
+    calls, expected = [], []
+    for _ in range(12):  # (one run of the harness for several calls)
+        op, attrs, shapes = data.draw(valid_calls())
+        resolved = op.resolve(**attrs)
+        op.infer(resolved, *shapes)  # the known shapes are a valid call
+        given_shapes = [None if s is None else data.draw(partly_known(s)) for s in shapes]
+        present = [",".join(map(str, s)) for s in given_shapes if s is not None]
+        calls.append((SYMBOLS[op], len(op.outputs), _attrs(op, attrs), present))
+        expected.append((op.name, attrs, given_shapes,
+                         [tuple(s) for s in op.infer(resolved, *given_shapes)]))
+    answers = infer_shapes(calls)
+    wrong = [f"{name} {attrs} {shapes}: Python {want}, C++ {got}"
+             for (name, attrs, shapes, want), got in zip(expected, answers) if want != got]
+    assert len(answers) == len(calls) and not wrong, "\n".join(wrong)

@@ -12,7 +12,7 @@ compositions of MindSpore ops everywhere else.
 import mindspore as ms
 from mindspore import ops
 
-from ._checks import FLOATS, check_dtype, check_shape, differ, dims, known, product
+from ._checks import FLOATS, check_dtype, check_shape, differ, dims, known, product, unknown_rank
 from ._impls import builtin, composition, kernel
 from ._indexing import count, inverse_permutation, stable_order, take_rows
 from ._op import Attr, OpDef
@@ -270,6 +270,8 @@ def moe_token_unpermute(permuted, sorted_index, probs=None, top_k=0):
 def _infer_unpermute_backward(a, permuted, sorted_index, probs, grad_out):
     t, k, h = _unpermute_shapes(_UNPERMUTE_BWD, a, permuted, sorted_index, probs)
     check_shape(_UNPERMUTE_BWD, "grad_out", grad_out, [t, h], "the forward's output shape")
+    if not known(t) and not unknown_rank(grad_out):  # T from grad_out's rows then (as in C++)
+        t = dims(_UNPERMUTE_BWD, "grad_out", grad_out, 2)[0]
     return list(permuted), [t, k]
 
 
