@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import example, given, strategies as st  # noqa: E402
 from mindspore import Tensor  # noqa: E402
 
 from ms_moe_ops import reference as ref  # noqa: E402
@@ -106,6 +106,9 @@ def _supports(op, name, attrs, args, soc=_platform.A2):
 
 @given(form=st.sampled_from(["plain", "transpose_weight", "transpose_x"]),
        groups=_around(1024), k=_around(65536), n=_around(65536), m=st.integers(1, 8))
+@example(form="plain", groups=4, k=8, n=65536, m=2)  # one dimension past its limit at a time
+@example(form="transpose_weight", groups=4, k=65536, n=8, m=2)
+@example(form="plain", groups=1025, k=8, n=8, m=2)
 @examples(40)
 def test_grouped_matmul_builtin_limits(form, groups, k, n, m):
     """aclnnGroupedMatmulV4: at most 1024 groups (tensor group list), every tensor's stored last
@@ -121,6 +124,8 @@ def test_grouped_matmul_builtin_limits(form, groups, k, n, m):
 
 @given(h=_around(65536), f=_around(65536), dtype=st.sampled_from(["float16", "bfloat16", "float32", "int8"]),
        output_dtype=st.sampled_from(["", "float16", "bfloat16", "float32"]), impl=st.sampled_from(["aclnn", "builtin"]))
+@example(h=8, f=65536, dtype="float16", output_dtype="", impl="aclnn")
+@example(h=65536, f=8, dtype="int8", output_dtype="float16", impl="builtin")
 @examples(40)
 def test_ffn_ascend_limits(h, f, dtype, output_dtype, impl):
     """aclnnFFN / aclnnFFNV3: H and F < 65536 (both), float16 or int8 x, int8 written as float16."""
