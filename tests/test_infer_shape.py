@@ -170,3 +170,15 @@ def test_cpp_and_python_infer_the_same_shapes_of_drawn_calls(infer_shapes, data)
     wrong = [f"{name} {attrs} {shapes}: Python {want}, C++ {got}"
              for (name, attrs, shapes, want), got in zip(expected, answers) if want != got]
     assert len(answers) == len(calls) and not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("op,attrs,shapes,want", [
+    # T from probs' rows, or from the T*K permuted rows when only K is known, or from grad_out's
+    (UNPERMUTE, dict(with_probs=True), [[6, 2], [6], [-1, 3]], [(2, 2)]),
+    (UNPERMUTE_BACKWARD, dict(with_probs=True), [[6, 2], [6], [3, -1], [-2]], [(6, 2), (3, -1)]),
+    (UNPERMUTE_BACKWARD, dict(with_probs=True), [[-2], [-1], [-1, -1], [9, 2]], [(-2,), (9, -1)]),
+])
+def test_unpermute_tokens_from_whichever_input_knows_them(infer_shapes, op, attrs, shapes, want):
+    assert [tuple(s) for s in op.infer(op.resolve(**attrs), *shapes)] == want
+    present = [",".join(map(str, s)) for s in shapes]
+    assert infer_shapes([(SYMBOLS[op], len(op.outputs), _attrs(op, attrs), present)]) == [want]

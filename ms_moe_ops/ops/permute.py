@@ -162,6 +162,8 @@ def _unpermute_shapes(op, a, permuted, sorted_index, probs):
         if known(k) and a["top_k"] not in (0, k):
             raise ValueError(f"{op}: attribute 'top_k' must be 0 or probs.shape[1]={k}, got "
                              f"{a['top_k']}")
+        if not known(t) and known(k) and k > 0 and known(n):  # T from the T*K rows (as in C++)
+            t = n // k
         return t, k, h
     k = a["top_k"] or 1
     if known(n) and n % k:
