@@ -224,3 +224,19 @@ def test_unpermute_bad_sorted_index_is_a_clean_error(index, mode):
     with pytest.raises(RuntimeError):
         g = Tensor(np.ones((4, 3), np.float32))
         numpy(moe_token_unpermute_backward(ROWS, index, PROBS, g)[0])
+
+
+@pytest.mark.parametrize("impl", [pytest.param("kernel", marks=needs_kernels()), "composition"])
+def test_unpermute_backward_of_empty_rows_is_zero(impl, monkeypatch, rng):
+    # H = 0: grad_probs is the empty sum, exactly 0 (MindSpore's ReduceSum leaves the output of an
+    # empty input unset: the composition must not sum there)
+    from ms_moe_ops.ops import _platform  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setenv(_platform.IMPL_ENV, impl)
+    t, k = 6, 3
+    index = ref.moe_token_permute(np.zeros((t, 0)), rng.integers(0, 4, (t, k)).astype(np.int32), 4)[1]
+    for _ in range(3):
+        _, d_probs = moe_token_unpermute_backward(Tensor(np.zeros((t * k, 0), np.float32)),
+                                                  Tensor(index), Tensor(rng.uniform(size=(t, k)).astype(np.float32)),
+                                                  Tensor(np.zeros((t, 0), np.float32)))
+        np.testing.assert_array_equal(numpy(d_probs), np.zeros((t, k)))

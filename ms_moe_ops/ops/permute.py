@@ -297,6 +297,8 @@ def _unpermute_backward_composed(a):
         d_permuted = take_rows(rows.reshape(t * k, h), inverse_permutation(sorted_index))
         if probs is None:
             return d_permuted.astype(permuted.dtype), ops.zeros((t, k), dtype=ms.float32)
+        if h == 0:  # the empty sum: MindSpore's ReduceSum skips an empty input (output unset)
+            return d_permuted.astype(permuted.dtype), ops.zeros((t, k), dtype=probs.dtype)
         mine = take_rows(permuted.astype(ms.float32), sorted_index).reshape(t, k, h)
         d_probs = (mine * grad_out.astype(ms.float32).reshape(t, 1, h)).sum(axis=-1)
         return d_permuted.astype(permuted.dtype), d_probs.astype(probs.dtype)
