@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ms_moe_ops import grouped_matmul, reference
-from conftest import (assert_close, assert_rounded, finite_diff, grad, needs_kernels, numpy,
+from conftest import (DEVICE, assert_close, assert_rounded, finite_diff, grad, needs_kernels, numpy,
                       rounded, run, tensor)
 
 pytestmark = pytest.mark.every_isa  # the kernels run under every instruction-set path
@@ -211,3 +211,43 @@ def test_bad_input_graph_mode():
     with pytest.raises(ValueError, match="'weight' must have shape"):
         run(grouped_matmul, tensor(np.zeros((6, 3), np.float32)),
             tensor(np.zeros((2, 4, 4), np.float32)), tensor(np.array([2, 4], np.int64)), mode="graph")
+
+
+
+
+_EMPTY_SUMS = """
+import os, sys
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor
+from ms_moe_ops import grouped_matmul
+ms.set_device("{device}")
+rng, wrong = np.random.default_rng(0), 0
+for _ in range(100):
+    grouped_matmul(Tensor(rng.normal(size=(9, 1)), ms.float16), Tensor(rng.normal(size=(9, 2)), ms.float16),
+                   Tensor(np.array([9], np.int64)), transpose_x=True).asnumpy()
+    dw = grouped_matmul(Tensor(np.zeros((0, 1)), ms.float16), Tensor(np.zeros((0, 2)), ms.float16),
+                        Tensor(np.array([0], np.int64)), transpose_x=True)
+    y = grouped_matmul(Tensor(np.zeros((4, 0)), ms.float32), Tensor(np.zeros((1, 0, 5)), ms.float32),
+                       Tensor(np.array([4], np.int64)))
+    wrong += int(dw.asnumpy().any()) + int(y.asnumpy().any())
+print("wrong", wrong)
+"""
+
+
+@pytest.mark.slow  # (a fresh process, 300 products: ~10 s)
+@pytest.mark.best_isa_only
+@pytest.mark.parametrize("impl", [pytest.param("kernel", marks=needs_kernels()), "composition"])
+def test_empty_sums_are_zeros(impl):
+    # no rows with transpose_x (the weight gradient of an empty batch), or K = 0: the products are
+    # empty sums, exactly 0. MindSpore's CPU MatMul leaves its output unset there (it shows the
+    # memory of an earlier product now and then, in a fresh process: so one is started here):
+    # the composition must not multiply.
+    import os, subprocess, sys  # pylint: disable=import-outside-toplevel
+    from ms_moe_ops.ops import _platform  # pylint: disable=import-outside-toplevel
+
+    env = dict(os.environ, **{_platform.IMPL_ENV: impl})
+    done = subprocess.run([sys.executable, "-c", _EMPTY_SUMS.format(device=DEVICE)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["wrong", "0"], done.stdout
