@@ -753,6 +753,27 @@ def test_train_step_options_are_used(reduction, sens, monkeypatch, rng):
         assert_close(moved["ep"][name], factor * delta, rtol=1e-4, atol=3e-7)
 
 
+@pytest.mark.xfail(strict=True, reason="AuxLossScaler's backward hands the losses their bare "
+                   "coefficients, so a loss scale (TrainOneStepCell's sens) multiplies the main "
+                   "loss's gradient but not the training losses'")
+def test_loss_scale_reaches_the_losses(rng):
+    """A training step with sens=s moves every weight s times as far as with sens=1 (SGD, one
+    step): the loss scale multiplies the whole loss, training losses included."""
+    options = dict(ffn_hidden_size=6, num_experts=4, top_k=2, aux_loss_coeff=0.5,
+                   z_loss_coeff=0.3)
+    x = Tensor(rng.normal(0, 1, (5, H)).astype(np.float32))
+    target = Tensor(rng.normal(0, 1, (5, H)).astype(np.float32))
+    moved = {}
+    for sens in (1.0, 4.0):
+        layer = _layer(options)
+        before = _set_weights(layer, np.random.default_rng(7))
+        optimizer = nn.SGD(layer.trainable_params(), learning_rate=0.5)
+        nn.TrainOneStepCell(nn.WithLossCell(layer, nn.MSELoss()), optimizer, sens)(x, target)
+        moved[sens] = {p.name: p.asnumpy() - before[p.name] for p in layer.trainable_params()}
+    for name, delta in moved[1.0].items():
+        assert_close(moved[4.0][name], 4 * delta, rtol=1e-4, atol=3e-7)
+
+
 def test_grad_reducer_reduction_is_used(monkeypatch, rng):
     monkeypatch.setattr(ep_train.ops, "AllReduce", lambda group: (lambda g: g * 2))
     layer = _layer(dict(ffn_hidden_size=6, num_experts=4, top_k=2, expert_parallel="single"))
@@ -877,8 +898,12 @@ def test_on_two_processes(tmp_path, rng):
     for r, got in enumerate(ranks):
         assert str(got["env"]) == "from msrun(env)"
         assert str(got["exchange/auto"]) == "allreduce" and str(got["group/world"]) == "ok"
+        assert len([k for k in expected[r] if k.startswith("step/")]) == 2 * 3
         for key, value in expected[r].items():
-            assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+            try:
+                assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+            except AssertionError as error:
+                raise AssertionError(f"rank {r}, {key}: {error}") from None
 
 
 PARALLEL_VALUES = [
