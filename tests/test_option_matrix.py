@@ -305,8 +305,8 @@ LAYER_CASES = {
         routed_scaling_factor=2.5, clamp_limit=0.7, has_bias=True, n_shared_experts=1,
         bias_update_rate=0.05),
     "softmax unnormalised, groups mode 0, fastgelu, two gated shared": dict(
-        ffn_hidden_size=5, num_experts=6, top_k=3, score_func="softmax", norm_topk_prob=False,
-        n_group=2, topk_group=1, group_select_mode=0, activation="fastgelu", n_shared_experts=2,
+        ffn_hidden_size=5, num_experts=8, top_k=3, score_func="softmax", norm_topk_prob=False,
+        n_group=4, topk_group=2, group_select_mode=0, activation="fastgelu", n_shared_experts=2,
         shared_ffn_hidden_size=3, shared_expert_gate=True, bias_update_rate=0.0),
     "sigmoid unnormalised, scale, gelu": dict(ffn_hidden_size=6, num_experts=4, top_k=2,
                                               norm_topk_prob=False, routed_scaling_factor=1.5,
@@ -318,6 +318,12 @@ LAYER_CASES = {
     "softmax losses, one process expert parallel": dict(
         ffn_hidden_size=6, num_experts=4, top_k=2, score_func="softmax", norm_topk_prob=False,
         aux_loss_coeff=0.5, z_loss_coeff=0.3, expert_parallel="single"),
+}
+# reference options whose other value changes the case's output (else a Cell forcing the option
+# to that value would pass)
+DISCRIMINATES = {
+    "softmax unnormalised, groups mode 0, fastgelu, two gated shared": dict(group_select_mode=1),
+    "sigmoid groups mode 1, scale, clamp, biases, shared": dict(group_select_mode=0),
 }
 # (the GRAPH-mode runs are slow, a compilation each: test_moe_ffn_cell_option and
 # test_shared_experts_option run the parts' options in GRAPH mode in the default run)
@@ -395,14 +401,18 @@ class _Loss(nn.Cell):
         return (self.layer(x) * cot).sum()
 
 
-def _check_layer(options, mode, rng):
+def _check_layer(options, mode, rng, discriminates=()):
     layer = _layer(options)
     w = _set_weights(layer, rng)
-    shape = (2, 3, H)
+    shape = (2, 4, H)
+    discriminates = dict(discriminates)
     x = rng.normal(0, 1, shape).astype(np.float32).astype(np.float64)
     cot = rng.normal(0, 1, shape)
     c, kw, sequences = _reference_options(options, w, shape)
     expected, idx = ref.moe_layer(x, **kw)
+    for option, other in discriminates.items():  # the case tells this option's values apart
+        changed = ref.moe_layer(x, **dict(kw, **{option: other}))[0]
+        assert np.abs(changed - expected).max() > 1e-3, f"{option}={other} changes nothing here"
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     try:
         out = layer(Tensor(x.astype(np.float32)))
@@ -429,7 +439,7 @@ def _check_layer(options, mode, rng):
                  else pytest.mark.slow, id=f"{m}-{c}")
     for c in LAYER_CASES for m in ("pynative", "graph")])
 def test_moe_layer_option(case, mode, rng):
-    _check_layer(LAYER_CASES[case], mode, rng)
+    _check_layer(LAYER_CASES[case], mode, rng, DISCRIMINATES.get(case, ()))
 
 
 def _layer_values(options):
