@@ -474,7 +474,13 @@ FFN_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(FFN_CASES))
+# one GRAPH-mode case of each part in the default run (a compilation each)
+def _graph_once(names, default):
+    return [pytest.param(n, m, marks=() if m == "pynative" or n == default else pytest.mark.slow,
+                         id=f"{m}-{n}") for n in names for m in ("pynative", "graph")]
+
+
+@pytest.mark.parametrize("case,mode", _graph_once(FFN_CASES, "padded swiglu with biases"))
 def test_moe_ffn_cell_option(case, mode, rng):
     options = FFN_CASES[case]
     cell = MoeFFN(3, H, 5, **options)
@@ -488,7 +494,7 @@ def test_moe_ffn_cell_option(case, mode, rng):
     assert_close(numpy(got), expected, rtol=1e-4)
 
 
-@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("gate,mode", _graph_once([False, True], True))
 def test_shared_experts_option(gate, mode, rng):
     cell = SharedExperts(H, 5, gate=gate)
     w = _set_weights(cell, rng)
