@@ -268,15 +268,6 @@ def test_router_combination_gradient(case, rng):
     assert_close(numpy(got), expected, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["router_softmax_renorm0_scale2.5_groups0",
-                                  "router_sigmoid_renorm0_scale2.5_groups1", "moe_ffn_padded",
-                                  "grouped_matmul_transpose_x_padded", "unpermute_unweighted"])
-def test_operator_option_graph(case, rng):
-    op, inputs, attrs, golden = OP_CASES[case](rng, "float32")
-    compare(_apply(op, inputs, attrs, "graph")[:len(golden)], golden, "float32")
-
-
 def _moe_ffn_output_dtype(rng, output_dtype):
     """The int8 path's output_dtype (the float path takes none): the int8 golden model rounded."""
     from cases import INT8_FFN_INPUTS, int8_ffn, int8_ffn_case
