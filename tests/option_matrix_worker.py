@@ -32,7 +32,7 @@ def full_weights():
     """{name: numpy} of the single-process layer: routers far from ties, zero state."""
     rng = np.random.default_rng(0)
     return {name: (rng.normal(0, 0.6 if "router" in name else 0.4, p.shape) if p.requires_grad
-                   else np.zeros(p.shape)).astype(np.float32)
+                   else p.asnumpy()).astype(np.float32)  # state as built: zeros, a scale of 1
             for name, p in layer().parameters_and_names()}
 
 

@@ -14,6 +14,8 @@ import logging
 import os
 import sys
 
+from .. import _compat
+
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = "_kernels_build.json"
 _SUFFIXES = (".so", ".dylib", ".dll")
@@ -39,8 +41,6 @@ def build_record():
 
 def custom_ops_refused():
     """'' when MindSpore runs Custom primitives on this platform, else its reason."""
-    from .. import _compat  # pylint: disable=import-outside-toplevel
-
     error = _compat.custom_platform_refusal()
     if not error:
         return ""
