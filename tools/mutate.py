@@ -135,6 +135,8 @@ def main():
     parser.add_argument("--only", nargs="+", metavar="ID", help="run these mutations only")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--bugs", metavar="FILE", help="plant the MUTATIONS of this file instead")
+    parser.add_argument("--also", nargs="+", default=[], metavar="TEST",
+                        help="test files run after every entry's own (suites meant to cover all)")
     parser.add_argument("--as-listed", action="store_true",
                         help="run the listed node ids only, not their whole files")
     parser.add_argument("--budget", type=float, default=FILE_BUDGET, metavar="SECONDS",
@@ -144,7 +146,8 @@ def main():
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     args = parser.parse_args()
     catalogue = load_mutations(args.bugs) if args.bugs else MUTATIONS
-    entries = [dict(m, tests=targets(m, args.as_listed)) for m in catalogue
+    entries = [dict(m, tests=targets(m, args.as_listed) + [t for t in args.also if t not in m["tests"]])
+               for m in catalogue
                if not args.only or m["id"] in args.only]
     if args.list:
         for m in catalogue:
