@@ -71,6 +71,25 @@ def register_opaque_to_rewrite(*cells):
         opaque.extend(c for c in cells if c not in opaque)
 
 
+# -- platforms ------------------------------------------------------------------------------------
+
+def custom_platform_refusal():
+    """'' when MindSpore runs Custom primitives on this platform, else its own message.
+    MindSpore 2.10's `Custom.__init__` calls `Custom._check_platform`, which raises "Custom op
+    only supported on Linux platform currently." elsewhere (mindspore/ops/operations/custom_ops.py);
+    calling it is cheaper than building a primitive and says exactly what MindSpore would."""
+    from mindspore.ops import Custom  # pylint: disable=import-outside-toplevel
+
+    check = getattr(Custom, "_check_platform", None)
+    if check is None:  # a MindSpore without the check
+        return ""
+    try:
+        check(None)
+    except Exception as error:  # pylint: disable=broad-except
+        return str(error) or type(error).__name__
+    return ""
+
+
 # -- logging --------------------------------------------------------------------------------------
 
 def mindspore_logger():

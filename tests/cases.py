@@ -174,7 +174,7 @@ def ep_weights(config_name, seed=0):
     for name, p in ep_layer(config_name).parameters_and_names():
         scale = 0.6 if "router" in name else 0.4
         out[name] = (rng.normal(0, scale, p.shape) if p.requires_grad
-                     else np.zeros(p.shape)).astype(np.float32)
+                     else p.asnumpy()).astype(np.float32)  # state as built: zeros, a scale of 1
     return out
 
 

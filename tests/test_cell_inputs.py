@@ -87,7 +87,12 @@ def _ffn_args(rows=6, width=8, counts=(2, 0, 4), counts_dtype=np.int64, x_dtype=
      "MoeFFN: 'expert_tokens' must have dtype int64, got int32"),
     (_ffn_args() + (_input((6, 1, 1)),), ValueError,
      "MoeFFN: 'row_weight' must be [M] or [M, 1], got shape [6, 1, 1]"),
-], ids=["width", "rank", "dtype", "experts", "counts-dtype", "row-weight"])
+    (_ffn_args() + (_input((1,)),), ValueError,
+     "MoeFFN: 'row_weight' must have one row per row of 'x' (6), got shape [1]"),
+    (_ffn_args() + (_input((4, 1)),), ValueError,
+     "MoeFFN: 'row_weight' must have one row per row of 'x' (6), got shape [4, 1]"),
+], ids=["width", "rank", "dtype", "experts", "counts-dtype", "row-weight", "row-weight-broadcast",
+        "row-weight-rows"])
 @pytest.mark.parametrize("activation", ["swiglu",
                                         pytest.param("gelu", marks=pytest.mark.slow_in_graph)])
 def test_experts(activation, args, error, message, mode):

@@ -105,6 +105,20 @@ def test_mindspore_warnings_reach_its_logger():
         f"MindSpore's deprecation notices no longer reach mindspore_logger(): {seen}")
 
 
+def test_custom_primitives_are_refused_off_linux_by_a_check_of_their_own(monkeypatch):
+    import platform
+
+    from mindspore.ops import Custom
+
+    assert callable(getattr(Custom, "_check_platform", None)), (
+        "MindSpore's Custom no longer has _check_platform: see _compat.custom_platform_refusal")
+    assert _compat.custom_platform_refusal() == ""
+    monkeypatch.setattr(platform, "system", lambda: "Windows")
+    assert "Linux" in _compat.custom_platform_refusal(), (
+        "Custom._check_platform no longer refuses other platforms: the CPU kernels may now run "
+        "there (ops/_library.py)")
+
+
 def test_a_custom_primitive_cannot_take_run_time_host_integers():
     # Why aclnnMoeFFN is not bound (docs/ascend.md): its expert counts are a host aclIntArray,
     # and a Custom primitive declares no input whose value is read on the host at run time, so
@@ -147,3 +161,32 @@ def test_a_custom_primitive_cannot_take_run_time_host_integers():
     assert "Tuple to TupleUnfold" in messages["run_time"], (
         "a Custom primitive may now take run-time host integers: aclnnMoeFFN can be bound "
         f"(what MindSpore said: {messages['run_time'][:500]})")
+
+
+def test_no_module_but_compat_imports_a_private_mindspore_module():
+    """Every MindSpore internal goes through _compat.py: no other module of the package imports
+    a private MindSpore module (a dotted path with a part starting with "_") or reads a private
+    attribute by name with getattr."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(_compat.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n.startswith("mindspore") and any(p.startswith("_") for p in n.split("."))
+                   for n in names):
+                found.append(f"{path.relative_to(package)}:{node.lineno}")
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr"
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                    and str(node.args[1].value).startswith("_")
+                    and not str(node.args[1].value).startswith("__")):
+                found.append(f"{path.relative_to(package)}:{node.lineno} getattr {node.args[1].value}")
+    assert not found, f"MindSpore internals used outside _compat.py: {found}"

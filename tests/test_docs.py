@@ -57,3 +57,17 @@ def test_links_between_documents_resolve():
             if not os.path.exists(os.path.join(ROOT, os.path.dirname(name), target)):
                 broken.append(f"{name} -> {target}")
     assert not broken, broken
+
+
+def test_the_version_is_one_and_has_its_changelog_section():
+    import configparser
+
+    import ms_moe_ops
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    assert cfg["metadata"]["version"] == ms_moe_ops.__version__
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        sections = re.findall(r"^## (\S+)", f.read(), re.M)
+    assert sections and sections[0] == ms_moe_ops.__version__, (
+        f"CHANGELOG.md's newest section is {sections[:1]}, the version {ms_moe_ops.__version__}")

@@ -74,7 +74,9 @@ def our_layer(block, config, **overrides):
     converted = convert_moe_checkpoint(state_dict_numpy(block), "", "", config.model_type)
     not_loaded, _ = ms.load_param_into_net(
         layer, {k: Parameter(Tensor(v), name=k) for k, v in converted.items()}, strict_load=True)
-    assert sorted(not_loaded) == ["router.aux_losses", "router.tokens_per_expert"]
+    state = ["router.aux_losses", "router.tokens_per_expert"]  # and the losses' scale, if any
+    state += ["router.loss_scaler.loss_scale"] if layer.router.loss_scaler is not None else []
+    assert sorted(not_loaded) == sorted(state)
     return layer
 
 

@@ -1,4 +1,6 @@
 """moe_gating_top_k, moe_gating_top_k_backward and the GatingTopK Cell."""
+import re
+
 import numpy as np
 import pytest
 import mindspore as ms
@@ -434,3 +436,18 @@ def test_cell_bad_config(kwargs):
     args.update(kwargs)
     with pytest.raises(ValueError):
         GatingTopK(**args)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_experts=4, n_group=4, topk_group=2),
+     "GatingTopK(num_experts=4, n_group=4, topk_group=2, top_k=2, group_select_mode=1) cannot "
+     "route: moe_gating_top_k: group_select_mode=1 needs at least 2 experts per group"),
+    (dict(num_experts=4096), "GatingTopK(num_experts=4096, n_group=1, topk_group=1, top_k=2, "
+     "group_select_mode=0) cannot route: moe_gating_top_k: the expert count N"),
+], ids=["one-expert-per-group-mode-1", "too-many-experts"])
+def test_cell_refuses_when_built_what_its_first_call_would(kwargs, message):
+    """The router's own contract is checked when the Cell is built, in the Cell's terms."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GatingTopK(hidden_size=8, top_k=2, **kwargs)
+    GatingTopK(hidden_size=8, top_k=2, **dict(kwargs, group_select_mode=0, num_experts=min(
+        kwargs["num_experts"], 2048)))  # what it says to change is enough

@@ -163,3 +163,26 @@ def test_bad_coefficients():
     assert MoELayer(8, 4, 4, 2, aux_loss_coeff=np.float32(0.5)).router.loss_coeffs == (0.5, 0, 0)
     with pytest.raises(ValueError, match="z_loss_coeff"):
         MoELayer(8, 4, 4, 2, z_loss_coeff=-1)
+
+
+def test_set_loss_scale_reaches_every_router_and_refuses_nonsense():
+    from ms_moe_ops import set_loss_scale
+    from ms_moe_ops.parallel import ExpertParallel, ExpertParallelTrainStep
+
+    net = nn.SequentialCell([MoELayer(8, 6, 4, 2, aux_loss_coeff=0.1),
+                             MoELayer(8, 6, 4, 2, z_loss_coeff=0.1), MoELayer(8, 6, 4, 2)])
+    scales = lambda: [c.loss_scale.asnumpy().item() for _, c in net.cells_and_names()  # noqa: E731
+                      if isinstance(c, AuxLossScaler)]
+    assert scales() == [1.0, 1.0]
+    assert set_loss_scale(net, 2.0 ** 16) == 2
+    assert scales() == [65536.0, 65536.0]
+    assert set_loss_scale(net, Tensor([8.0], ms.float32)) == 2 and scales() == [8.0, 8.0]
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="set_loss_scale: the loss scale must be a positive"):
+            set_loss_scale(net, bad)
+    loss = nn.WithLossCell(net, nn.MSELoss())
+    ExpertParallelTrainStep(loss, nn.SGD(net.trainable_params()), ExpertParallel.single(), sens=4.0)
+    assert scales() == [4.0, 4.0]
+    x, target = (Tensor(np.ones((3, 8), np.float32)) for _ in range(2))
+    step = ExpertParallelTrainStep(loss, nn.SGD(net.trainable_params()), ExpertParallel.single())
+    assert np.isfinite(step(x, target).asnumpy()) and scales() == [1.0, 1.0]  # one rank runs too

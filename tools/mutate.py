@@ -3,6 +3,7 @@ to catch it. A bug whose tests still pass "survived": the suite has a hole there
 
     python tools/mutate.py                 # every mutation
     python tools/mutate.py --only ID ...   # some of them
+    python tools/mutate.py --bugs FILE     # the MUTATIONS list of another file (an audit's)
     python tools/mutate.py --list
 
 It works on a scratch copy of the repository (tracked and untracked files, plus the built kernel
@@ -10,12 +11,17 @@ library), never on your files: edit and run tests meanwhile as you like. For eac
 checks that the snippet occurs exactly once (otherwise the entry is "stale": the source changed,
 update the entry), writes the mutated file, rebuilds the kernels when a C++ file changed, runs
 the entry's tests (first failure stops them) and restores the file and the library, also on
-Ctrl-C. Before the first mutation the listed tests must pass on the unmutated copy (per build
-environment), or nothing could be concluded. Exit status 0 when every bug was caught.
-Not part of CI: a full run takes 30-45 minutes on 2 cores (about a minute per C++ rebuild).
+Ctrl-C. By default an entry's tests are its whole test files (a node id counts as its file), as a
+maintainer would run them; `--as-listed` runs the node ids only. Each test file gets a time budget
+(`--budget`, seconds); a run past it is reported as a time-out, never as a pass or a failure.
+Before the first mutation the listed tests must pass on the unmutated copy (per build environment),
+or nothing could be concluded: a failing or timed-out baseline is reported as such, with its log.
+Exit status 0 when every bug was caught.
+Not part of CI: a full run takes 30-60 minutes on 2 cores (about a minute per C++ rebuild).
 """
 import argparse
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -29,7 +35,7 @@ sys.path.insert(0, HERE)
 from mutations import MUTATIONS  # noqa: E402
 
 CPP = (".cc", ".h")
-TEST_TIMEOUT = 900  # seconds for one mutation's tests
+FILE_BUDGET = 300  # seconds per test file of one run (the slowest default file takes ~60 s)
 BUILD_TIMEOUT = 900
 
 
@@ -55,19 +61,40 @@ def build(repo, env_extra, log):
     return proc.returncode == 0
 
 
-def run_tests(repo, tests, log):
-    """pytest exit code (0 passed, 1 a test failed, other: could not run) for tests in repo."""
+def run_tests(repo, tests, log, budget, markers=None):
+    """pytest exit code (0 passed, 1 a test failed, other: could not run) for tests in repo, or
+    "timeout" when they ran past budget seconds per test file."""
     env = dict(os.environ, PYTHONPATH=repo)
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly", "-p",
-           "no:cacheprovider", *tests]
+           "no:cacheprovider", *(["-m", markers] if markers is not None else []), *tests]
+    timeout = budget * len({t.split("::")[0] for t in tests})
     try:
         proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
-                              timeout=TEST_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return "timeout"
+                              timeout=timeout)
+        out, code = proc.stdout[-20000:] + proc.stderr[-5000:], proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = _text(e.stdout)[-20000:] + _text(e.stderr)[-5000:]
+        code, out = "timeout", out + f"\n** time-out after {timeout} s\n"
     with open(log, "a") as f:
-        f.write(" ".join(cmd) + "\n" + proc.stdout[-20000:] + proc.stderr[-5000:])
-    return proc.returncode
+        f.write(" ".join(cmd) + "\n" + out)
+    return code
+
+
+def _text(data):
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def load_mutations(path):
+    """The MUTATIONS list of a Python file (one of ours, or an audit's in the same format)."""
+    spec = importlib.util.spec_from_file_location("_bugs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MUTATIONS
+
+
+def targets(m, as_listed):
+    """The tests run for an entry: whole files by default."""
+    return list(m["tests"]) if as_listed else sorted({t.split("::")[0] for t in m["tests"]})
 
 
 def env_key(env):
@@ -107,19 +134,31 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="ID", help="run these mutations only")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--bugs", metavar="FILE", help="plant the MUTATIONS of this file instead")
+    parser.add_argument("--also", nargs="+", default=[], metavar="TEST",
+                        help="test files run after every entry's own (suites meant to cover all)")
+    parser.add_argument("--as-listed", action="store_true",
+                        help="run the listed node ids only, not their whole files")
+    parser.add_argument("--budget", type=float, default=FILE_BUDGET, metavar="SECONDS",
+                        help=f"time budget per test file of one run (default {FILE_BUDGET})")
+    parser.add_argument("--markers", metavar="EXPR",
+                        help='pytest -m expression (default: the default run; "" runs every test)')
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy (its path is printed)")
     args = parser.parse_args()
-    entries = [m for m in MUTATIONS if not args.only or m["id"] in args.only]
+    catalogue = load_mutations(args.bugs) if args.bugs else MUTATIONS
+    entries = [dict(m, tests=targets(m, args.as_listed) + [t for t in args.also if t not in m["tests"]])
+               for m in catalogue
+               if not args.only or m["id"] in args.only]
     if args.list:
-        for m in MUTATIONS:
+        for m in catalogue:
             print(f"{m['id']:42s} {m['file']:32s} {m['what']}")
         return 0
     if args.only and len(entries) != len(args.only):
-        sys.exit(f"unknown ids: {sorted(set(args.only) - {m['id'] for m in MUTATIONS})}")
+        sys.exit(f"unknown ids: {sorted(set(args.only) - {m['id'] for m in catalogue})}")
 
     workdir = tempfile.mkdtemp(prefix="ms_moe_ops_mutate_")
     repo = os.path.join(workdir, "repo")
-    log = os.path.join(workdir, "mutate.log")
+    log = os.path.join(tempfile.gettempdir(), os.path.basename(workdir) + ".log")  # kept
     print(f"scratch copy: {repo} (log: {log})", flush=True)
     results = []
     try:
@@ -130,11 +169,15 @@ def main():
             library.use(dict(key))
             tests = union([m["tests"] for m in entries if env_key(m.get("build_env")) == key])
             print(f"baseline {dict(key) or 'native'}: {len(tests)} test targets ...", flush=True)
-            if run_tests(repo, tests, log) != 0:
-                sys.exit(f"the listed tests fail without any mutation ({dict(key) or 'native'}); "
-                         f"see {log}")
+            code = run_tests(repo, tests, log, args.budget, args.markers)
+            if code == "timeout":
+                sys.exit(f"the baseline run of the listed tests timed out ({args.budget:.0f} s "
+                         f"per file; {dict(key) or 'native'}): raise --budget; see {log}")
+            if code != 0:
+                sys.exit(f"the listed tests fail without any mutation ({dict(key) or 'native'}, "
+                         f"pytest exit {code}); see {log}")
         for i, m in enumerate(entries, 1):
-            results.append(mutate_one(m, repo, library, log))
+            results.append(mutate_one(m, repo, library, log, args.budget, args.markers))
             print(f"[{i}/{len(entries)}] {m['id']}: {results[-1][1]} ({results[-1][2]:.0f} s)",
                   flush=True)
     finally:
@@ -149,7 +192,7 @@ def union(test_lists):
     return sorted(t for t in targets if "::" not in t or t.split("::")[0] not in targets)
 
 
-def mutate_one(m, repo, library, log):
+def mutate_one(m, repo, library, log, budget, markers):
     start = time.time()
     path = os.path.join(repo, m["file"])
     if not os.path.exists(path):
@@ -170,8 +213,9 @@ def mutate_one(m, repo, library, log):
             f.write(original.replace(m["original"], m["replacement"]))
         if cpp and not build(repo, env, log):
             return m, "does not build", time.time() - start
-        code = run_tests(repo, m["tests"], log)
-        status = {0: "SURVIVED", 1: "caught"}.get(code, f"error (pytest: {code})")
+        code = run_tests(repo, m["tests"], log, budget, markers)
+        status = {0: "SURVIVED", 1: "caught", "timeout": "TIMEOUT (neither caught nor passed)"}.get(
+            code, f"error (pytest: {code})")
         return m, status, time.time() - start
     finally:
         with open(path, "w", encoding="utf-8") as f:

@@ -435,7 +435,8 @@ def load_checkpoint(path, net=None):
     """A checkpoint directory written by convert_checkpoint (or one safetensors file) -> the
     net's parameters, one file at a time (`ms.load_checkpoint(file, format="safetensors")`
     and `ms.load_param_into_net`); returns the net. Every parameter except the routing
-    statistics (router.tokens_per_expert, router.aux_losses) must be in the checkpoint, and
+    statistics and state (router.tokens_per_expert, router.aux_losses, the loss scale of its
+    training losses) must be in the checkpoint, and
     every tensor of the checkpoint must be a parameter of the same shape. Without a net: the
     dict of all parameters."""
     files = TensorFiles(path)
@@ -454,7 +455,7 @@ def load_checkpoint(path, net=None):
         if tuple(files.shape(name)) != tuple(wanted[name].shape):
             raise ValueError(f"{files.file(name)}: tensor '{name}' is {list(files.shape(name))}, "
                              f"the model's parameter is {list(wanted[name].shape)}")
-    statistics = ("router.tokens_per_expert", "router.aux_losses")
+    statistics = ("router.tokens_per_expert", "router.aux_losses", "loss_scaler.loss_scale")
     missing = [n for n in wanted if n not in files.where and not n.endswith(statistics)]
     if missing:
         raise ValueError(f"{files.path}: parameters of the model not in the checkpoint: "

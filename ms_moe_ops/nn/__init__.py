@@ -4,7 +4,7 @@ from .config import ExpertsConfig, MoEConfig, RouterConfig, SharedExpertsConfig
 from .dispatcher import LocalDispatcher
 from .gating import GatingTopK
 from .ffn import EXPERT_KINDS, ExpertKind, MoeFFN, register_expert_kind
-from .losses import AuxLossScaler
+from .losses import AuxLossScaler, set_loss_scale
 from .moe_layer import (MoELayer, SharedExperts, expert_load, load_imbalance, moe_layers,
                         reset_expert_load, update_expert_bias)
 from .families import (convert_deepseek_v2_moe, convert_deepseek_v3_moe, convert_mixtral_moe,
@@ -13,6 +13,7 @@ from .families import (convert_deepseek_v2_moe, convert_deepseek_v3_moe, convert
 from .quant import QuantMoeFFN, quantize_moe_ffn
 
 __all__ = ["GatingTopK", "MoeFFN", "MoELayer", "SharedExperts", "AuxLossScaler",
+           "set_loss_scale",
            "MoEConfig", "RouterConfig", "ExpertsConfig", "SharedExpertsConfig",
            "LocalDispatcher", "EXPERT_KINDS", "ExpertKind", "register_expert_kind",
            "moe_layers", "expert_load", "load_imbalance", "update_expert_bias",

@@ -11,7 +11,7 @@ from .. import _compat
 from ..ops._checks import FLOATS, dtype_name, int_arg
 from ..ops._op import _signature
 
-__all__ = ["config_of", "int_arg", "checked", "FLOATS", "TOKENS"]
+__all__ = ["config_of", "int_arg", "checked", "same_rows", "FLOATS", "TOKENS"]
 
 # The layouts of a batch of tokens of width H: [T, H] or [B, S, H] (see checked)
 TOKENS = ("[T, {}]", "[B, S, {}]")
@@ -61,3 +61,22 @@ def checked(owner, name, x, layouts, last=None, dtypes=FLOATS):
     its last dimension (None: any) and dtypes; returns `last`. In GRAPH mode the check runs while
     the graph is built, when the value it returns is used: use it (e.g. in a reshape)."""
     return _check(owner, name, _signature((x,)), layouts, last, dtypes)
+
+
+def _same_rows_now(owner, name, other, signature):
+    (_, shape), (_, other_shape) = signature
+    if tuple(shape) == (-2,) or tuple(other_shape) == (-2,) or not len(shape) or not len(other_shape):
+        return 0
+    if shape[0] >= 0 and other_shape[0] >= 0 and shape[0] != other_shape[0]:
+        raise ValueError(f"{owner}: '{name}' must have one row per row of '{other}' "
+                         f"({other_shape[0]}), got shape {_described(shape)}")
+    return 0
+
+
+_same_rows = _compat.run_at_compile_time(_same_rows_now)
+
+
+def same_rows(owner, name, x, other, y):
+    """Checks that tensor x (argument `name`) has as many rows as y (argument `other`) where both
+    are known; returns 0 (in GRAPH mode the check runs when the value is used: use it)."""
+    return _same_rows(owner, name, other, _signature((x, y)))

@@ -115,10 +115,11 @@ def convert_moe_checkpoint(state_dict, src_prefix, dst_prefix, family, num_exper
         router.weight, router.expert_bias (zeros when the family has none), experts.weight1
         [E, H, 2I], experts.weight2 [E, I, H] and, with shared experts, shared_experts.weight1
         [H, 2Is], shared_experts.weight2 [Is, H] (and shared_experts.gate [H]): every parameter
-        of the layer but its routing statistics (router.tokens_per_expert, router.aux_losses),
-        which a fresh layer holds at zero. Load it with `ms.load_param_into_net(layer,
-        {k: Parameter(Tensor(v), name=k) ...}, strict_load=True)`; to load without MindSpore's
-        warning about those two, add the layer's own (`examples/from_hf.py` does).
+        of the layer but its state (router.tokens_per_expert and router.aux_losses, which a
+        fresh layer holds at zero, and the training losses' loss scale, 1). Load it with
+        `ms.load_param_into_net(layer, {k: Parameter(Tensor(v), name=k) ...},
+        strict_load=True)`; to load without MindSpore's warning about the state, add the
+        layer's own (`examples/from_hf.py` does).
     """
     if family not in FAMILIES:
         raise ValueError(f"convert_moe_checkpoint: family must be one of {sorted(FAMILIES)}, "

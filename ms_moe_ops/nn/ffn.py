@@ -10,7 +10,7 @@ from mindspore.common.initializer import Uniform, initializer
 
 from .. import ops as moe_ops
 from ..ops.ffn import ACTIVATIONS as FUSED_ACTIVATIONS
-from ._checks import checked, config_of, int_arg
+from ._checks import checked, config_of, int_arg, same_rows
 from ._precision import SelfCastingCell
 from .config import ExpertsConfig
 
@@ -141,7 +141,8 @@ class MoeFFN(SelfCastingCell):
                           self.padded)
         if row_weight is not None:
             checked("MoeFFN", "row_weight", row_weight, ("[M]", "[M, 1]"))
-            y = (y.astype(ms.float32) * row_weight.astype(ms.float32).reshape(-1, 1)).astype(dtype)
+            rows = same_rows("MoeFFN", "row_weight", row_weight, "x", x)  # 0: used, so checked
+            y = (y.astype(ms.float32) * row_weight.astype(ms.float32).reshape(-1, 1 + rows)).astype(dtype)
         return y
 
     def extend_repr(self):

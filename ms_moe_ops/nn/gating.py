@@ -89,12 +89,19 @@ class GatingTopK(SelfCastingCell):
         # these are gathered from its x_norm output (which is differentiable too).
         self.gather_unnormalised = self.norm_type == 1 and not self.norm_topk_prob
         # Validate the configuration now rather than at the first call.
-        GATING_TOP_K.resolve(k=top_k, k_group=topk_group, group_count=n_group,
-                             group_select_mode=self.group_select_mode, norm_type=self.norm_type)
+        attrs = GATING_TOP_K.resolve(k=top_k, k_group=topk_group, group_count=n_group,
+                                     group_select_mode=self.group_select_mode,
+                                     norm_type=self.norm_type)
         if num_experts % n_group or top_k > topk_group * (num_experts // n_group):
             raise ValueError(f"GatingTopK: need num_experts % n_group == 0 and top_k <= topk_group * "
                              f"num_experts / n_group, got num_experts={num_experts}, "
                              f"n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
+        try:  # the operator's own contract for this expert count (N = num_experts)
+            GATING_TOP_K.infer(attrs, [-1, num_experts], [num_experts])
+        except ValueError as error:
+            raise ValueError(f"GatingTopK(num_experts={num_experts}, n_group={n_group}, "
+                             f"topk_group={topk_group}, top_k={top_k}, group_select_mode="
+                             f"{self.group_select_mode}) cannot route: {error}") from None
 
     def construct(self, hidden_states):
         if (self.expert_bias.dtype != ms.float32 or self.tokens_per_expert.dtype != ms.float32

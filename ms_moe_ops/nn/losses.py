@@ -4,35 +4,67 @@ The losses never appear in a layer's output. As in Megatron's MoEAuxLossAutoScal
 `AuxLossScaler(coeffs)(x, losses)` sits on a tensor of the forward pass; its backward hands the
 losses the constant gradient `coeffs`, so autodiff adds `sum_i coeffs[i] * dL_i/d(inputs)` to the
 gradients of the main loss. A model trains on them by setting a coefficient, with no change to its
-own code.
+own code. A loss scale (TrainOneStepCell's `sens`, a dynamic loss scale) multiplies the main loss's
+gradient, not these constants: `set_loss_scale(network, scale)` gives them the same scale (as
+Megatron's `MoEAuxLossAutoScaler.set_loss_scale`); ExpertParallelTrainStep does it for its sens.
 
 Notation: T tokens, E experts, K experts per token; logits [T, E] float32; counts_e = number of
 (token, slot) pairs routed to expert e (the real top-k choice, bias and groups included).
 """
 import mindspore as ms
-from mindspore import Tensor, ops
+from mindspore import Parameter, Tensor, ops
 
 from ..ops._indexing import count
 from ._precision import SelfCastingCell
 
-__all__ = ["AuxLossScaler", "balance_probs", "switch_aux_loss", "sequence_aux_loss",
+__all__ = ["AuxLossScaler", "set_loss_scale", "balance_probs", "switch_aux_loss", "sequence_aux_loss",
            "router_z_loss"]
 
 
 class AuxLossScaler(SelfCastingCell):
     """construct(x, losses [n]) -> x. Backward: x gets its own gradient unchanged, `losses` gets
-    `coeffs` [n] (float32), so the losses' gradients reach everything they were computed from.
-    Mixed precision leaves x as it is (the router's float32 weights)."""
+    `coeffs * loss_scale` [n] (float32), so the losses' gradients reach everything they were
+    computed from. `loss_scale` (a state Parameter, 1 by default) is set by set_loss_scale. Mixed
+    precision leaves x as it is (the router's float32 weights)."""
+
+    def __init__(self, coeffs):
+        super().__init__()
+        self.inject = _Inject(coeffs)
+        self.loss_scale = Parameter(Tensor(1.0, ms.float32), name="loss_scale", requires_grad=False)
+
+    def construct(self, x, losses):
+        # a bprop cannot read a Parameter in GRAPH mode: the scale is an input of _Inject
+        return self.inject(x, losses, self.loss_scale)
+
+
+class _Inject(SelfCastingCell):
+    """construct(x, losses, scale) -> x; backward: x's gradient, coeffs * scale, none for scale."""
 
     def __init__(self, coeffs):
         super().__init__()
         self.coeffs = Tensor(list(coeffs), ms.float32)
 
-    def construct(self, x, losses):
+    def construct(self, x, losses, scale):
         return x
 
-    def bprop(self, x, losses, out, dout):
-        return dout, self.coeffs.astype(losses.dtype)
+    def bprop(self, x, losses, scale, out, dout):
+        return dout, (self.coeffs * scale.astype(ms.float32)).astype(losses.dtype), ops.zeros_like(scale)
+
+
+def set_loss_scale(network, scale):
+    """Gives the training losses of every router in `network` the loss scale of its training
+    step (a number, or a scalar Tensor/Parameter read now), so that unscaling the gradients
+    leaves them their coefficients. A fixed scale (TrainOneStepCell's sens) is set once; a
+    dynamic one (TrainOneStepWithLossScaleCell's `scale_sense`) after every step, as the step
+    may have changed it. Returns how many routers it reached (0: no training loss)."""
+    value = float(scale.asnumpy().reshape(-1)[0]) if isinstance(scale, Tensor) else float(scale)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"set_loss_scale: the loss scale must be a positive finite number, got "
+                         f"{value}")
+    scalers = [cell for _, cell in network.cells_and_names() if isinstance(cell, AuxLossScaler)]
+    for scaler in scalers:
+        scaler.loss_scale.set_data(Tensor(value, ms.float32))
+    return len(scalers)
 
 
 def balance_probs(scores, score_func):

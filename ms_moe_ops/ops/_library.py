@@ -3,7 +3,7 @@ MindSpore can run it here, and the one message that says so when it cannot.
 
 MindSpore 2.10 runs `ops.Custom` primitives on Linux only: `Custom.__init__` calls
 `_check_platform`, which raises "Custom op only supported on Linux platform currently." elsewhere
-(mindspore/ops/operations/custom_ops.py), and its CPU AOT kernel (custom_aot_cpu_kernel.cc) has
+(read through `_compat.custom_platform_refusal`), and its CPU AOT kernel (custom_aot_cpu_kernel.cc) has
 no Windows loader. On macOS and Windows every operator therefore runs as its composition, whether
 or not the library was built.
 """
@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import sys
+
+from .. import _compat
 
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD = "_kernels_build.json"
@@ -39,18 +41,12 @@ def build_record():
 
 def custom_ops_refused():
     """'' when MindSpore runs Custom primitives on this platform, else its reason."""
-    from mindspore.ops import Custom  # pylint: disable=import-outside-toplevel
-
-    check = getattr(Custom, "_check_platform", None)
-    if check is None:  # a MindSpore without the check
+    error = _compat.custom_platform_refusal()
+    if not error:
         return ""
-    try:
-        check(None)
-    except Exception as error:  # pylint: disable=broad-except
-        import mindspore  # pylint: disable=import-outside-toplevel
+    import mindspore  # pylint: disable=import-outside-toplevel
 
-        return f"MindSpore {mindspore.__version__} runs Custom operators on Linux only ({error})"
-    return ""
+    return f"MindSpore {mindspore.__version__} runs Custom operators on Linux only ({error})"
 
 
 def kernel_library_missing():

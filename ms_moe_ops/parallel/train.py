@@ -2,6 +2,8 @@
 so that every rank takes the same step."""
 from mindspore import nn, ops
 
+from ..nn.losses import set_loss_scale
+
 __all__ = ["ExpertParallelGradReducer", "ExpertParallelTrainStep", "expert_parameter_names"]
 
 _REDUCTIONS = ("mean", "sum")
@@ -52,9 +54,10 @@ class ExpertParallelGradReducer(nn.Cell):
             raise ValueError(f"ExpertParallelGradReducer: reduction must be one of {_REDUCTIONS}, "
                              f"got {reduction!r}")
         sharded = expert_parameter_names(network)
-        self.replicated = tuple(p.name not in sharded for p in parameters)
+        alone = expert_parallel.size == 1  # ExpertParallel.single(): nothing to reduce
+        self.replicated = tuple(not alone and p.name not in sharded for p in parameters)
         self.scale = 1.0 / expert_parallel.size if reduction == "mean" else 1.0
-        self.all_reduce = ops.AllReduce(group=expert_parallel.group)
+        self.all_reduce = ops.Identity() if alone else ops.AllReduce(group=expert_parallel.group)
         self.hyper_map = ops.HyperMap()
 
     def construct(self, grads):
@@ -66,13 +69,15 @@ class ExpertParallelTrainStep(nn.TrainOneStepCell):
     """nn.TrainOneStepCell for an expert-parallel network: the same step on every rank.
 
     network: the network with its loss (each rank's own batch); optimizer: over its trainable
-    parameters; expert_parallel: the ExpertParallel of its MoE layers; reduction: "mean" or
-    "sum", see ExpertParallelGradReducer. Returns this rank's loss. Call
+    parameters; expert_parallel: the ExpertParallel of its MoE layers; sens: the loss scale (the
+    routers' training losses get it too: set_loss_scale); reduction: "mean" or "sum", see
+    ExpertParallelGradReducer. Returns this rank's loss. Call
     `ms_moe_ops.update_expert_bias(network)` between steps as in one process: the token counts
     behind it are summed over the group, so every rank's expert_bias stays the same.
     """
 
     def __init__(self, network, optimizer, expert_parallel, sens=1.0, reduction="mean"):
         super().__init__(network, optimizer, sens)
+        set_loss_scale(network, sens)  # the routers' training losses scaled as the loss is
         self.grad_reducer = ExpertParallelGradReducer(network, self.weights, expert_parallel,
                                                       reduction)
