@@ -222,17 +222,20 @@ T *scratch(Slot slot, int64_t n) {
 }
 
 // B [E, K, N] of every expert packed by pack_panel: expert e's panel p at panel(e, p); bias[e]
-// (N entries) holds the corrected bias; holds_min[e * panels + p] what pack_panel returned.
+// (N entries) holds the corrected bias. Per panel e * panels + p, on the avx2 path: holds_min,
+// whether it holds -128 (and takes tile_wide), or the places of its -128 weights that
+// spare_minimums replaced.
 struct PackedWeights {
   int64_t k, n, k4, panels;
   Panel *data;  // written only for the experts that have rows
   std::vector<int32_t> bias;
   std::vector<uint8_t> holds_min;
+  std::vector<std::vector<uint32_t>> places;
 
   PackedWeights(Slot slot, int64_t e, int64_t k_, int64_t n_)
       : k(k_), n(n_), k4((k_ + 3) / 4), panels((n_ + kNR - 1) / kNR),
         data(scratch<Panel>(slot, e * panels * k4 * kNR * 4)), bias(e * n_),
-        holds_min(e * panels) {}
+        holds_min(e * panels), places(e * panels) {}
   const Panel *panel(int64_t e, int64_t p) const { return data + (e * panels + p) * k4 * kNR * 4; }
   Panel *panel(int64_t e, int64_t p) { return data + (e * panels + p) * k4 * kNR * 4; }
 };
@@ -261,6 +264,29 @@ void tile_wide(const Row *const *a, const Panel *b, int64_t k4, int32_t (*acc)[k
         _mm256_storeu_si256((__m256i *)(acc[r] + half * 32 + v * 4),
                             _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[v], c[v + 1]), 0xD8));
     }
+}
+
+// A packed panel's -128 weights, when there are at most k4 of them (one per 4 rows of K: a
+// few per column, as quantisers over all of int8 make them): each becomes -127 and its place is
+// recorded, and gemm subtracts a[k] for each from tile's sums (a * -128 = a * -127 - a), which
+// keeps the panel on the fast product. Returns false, the panel unchanged, when there are more.
+bool spare_minimums(Panel *panel, int64_t k4, std::vector<uint32_t> &places) {
+  const int64_t bytes = k4 * kNR * 4;  // (a multiple of 256)
+  const __m256i min8 = _mm256_set1_epi8(-128);
+  auto minimums = [&](int64_t i) {
+    return static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)(panel + i)), min8)));
+  };
+  int64_t count = 0;
+  for (int64_t i = 0; i < bytes; i += 32) count += __builtin_popcount(minimums(i));
+  if (count > k4) return false;
+  for (int64_t i = 0; i < bytes; i += 32)
+    for (uint32_t mask = minimums(i); mask; mask &= mask - 1) {
+      const int64_t place = i + __builtin_ctz(mask);
+      panel[place] = -127;
+      places.push_back(static_cast<uint32_t>(place));
+    }
+  return true;
 }
 #endif
 
@@ -460,11 +486,21 @@ void gemm(const Row *a, int64_t lda, const std::vector<int64_t> &offsets,
       const Row *rp[kMR];
       for (int r = 0; r < kMR; ++r) rp[r] = a + (i + std::min(r, rows - 1)) * lda;
 #if defined(MOE_INT8_SIGN)
-      if (b.holds_min[w.e * b.panels + w.p])
+      if (b.holds_min[w.e * b.panels + w.p]) {
         tile_wide(rp, b.panel(w.e, w.p), b.k4, acc);
-      else
-#endif
+      } else {
         tile(rp, b.panel(w.e, w.p), b.k4, acc);
+        for (const uint32_t place : b.places[w.e * b.panels + w.p]) {  // (see spare_minimums)
+          const int64_t k = place / (kNR * 4) * 4 + place % 4;
+          const int j = static_cast<int>(place / 4 % kNR);
+          for (int r = 0; r < kMR; ++r)
+            acc[r][j] = static_cast<int32_t>(static_cast<uint32_t>(acc[r][j]) -
+                                             static_cast<uint32_t>(static_cast<int8_t>(rp[r][k])));
+        }
+      }
+#else
+      tile(rp, b.panel(w.e, w.p), b.k4, acc);
+#endif
       store(w.e, i, c0, rows, cols, acc);
     }
   }
@@ -685,14 +721,16 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
 #pragma omp parallel for schedule(dynamic) if (parallel)
   for (int64_t t = 0; t < static_cast<int64_t>(packs.size()); ++t) {
     const PackTask &pk = packs[t];
-    if (!pk.second)
-      w1.holds_min[pk.e * w1.panels + pk.p] =
-          pack_panel(a.w1.as<int8_t>() + pk.e * h * f, h, f, pk.p * kNR, b1 ? b1 + pk.e * f : nullptr,
-                     w1.panel(pk.e, pk.p), w1.bias.data() + pk.e * f + pk.p * kNR);
-    else
-      w2.holds_min[pk.e * w2.panels + pk.p] =
-          pack_panel(a.w2.as<int8_t>() + pk.e * f * h, f, h, pk.p * kNR, b2 ? b2 + pk.e * h : nullptr,
-                     w2.panel(pk.e, pk.p), w2.bias.data() + pk.e * h + pk.p * kNR);
+    PackedWeights &w = pk.second ? w2 : w1;
+    const int64_t k = pk.second ? f : h, n = pk.second ? h : f;
+    const int8_t *src = (pk.second ? a.w2.as<int8_t>() : a.w1.as<int8_t>()) + pk.e * k * n;
+    const int32_t *bias = pk.second ? b2 : b1;
+    const int64_t i = pk.e * w.panels + pk.p;
+    w.holds_min[i] = pack_panel(src, k, n, pk.p * kNR, bias ? bias + pk.e * n : nullptr,
+                                w.panel(pk.e, pk.p), w.bias.data() + pk.e * n + pk.p * kNR);
+#if defined(MOE_INT8_SIGN)
+    if (w.holds_min[i]) w.holds_min[i] = !spare_minimums(w.panel(pk.e, pk.p), w.k4, w.places[i]);
+#endif
   }
 
   // h = (x @ w1 + b1) * dq1; q = int8(rint(act(h) * scale + offset)), stored as q + 128

@@ -163,25 +163,32 @@ def test_int32_sums_wrap():
 
 def _bytes(rng, pattern, shape, weights):
     """Adversarial int8 operands for the products. The avx2 path multiplies |x| by sign(x) * w in
-    16-bit pairs (vpmaddubsw), exact while w != -128; a panel of weights holding -128 takes a
-    widening product instead."""
+    16-bit pairs (vpmaddubsw), exact while w != -128: a panel of weights with a few -128 has them
+    replaced and corrected for, one with more takes a widening product."""
     if pattern == "uniform":
         return rng.integers(-128, 128, shape).astype(np.int8)
     if pattern == "all -128":
         return np.full(shape, -128, np.int8)
     if pattern == "largest pairs":  # |x| = 128 against |w| = 127: pair sums of +-32512
         return rng.choice(np.int8([-128, -128, 127]) if not weights else np.int8([-127, 127]), shape)
-    if pattern == "-128 in one panel":  # the package's own weights ([-127, 127]) and one -128
+    if pattern in ("-128 in one panel", "-128 in every other column"):
+        # the package's own weights ([-127, 127]) and a few -128, replaced in the packed panels
+        # (the product corrected afterwards): one in panel 2, or one per column as per-channel
+        # quantisers over all of int8 give them (32 per panel, under the avx2 path's limit)
         v = rng.choice(np.int8([-127, 127, -1, 0]), shape)
-        if weights:
+        if not weights:
+            v[::2] = -128
+        elif pattern == "-128 in one panel":
             v[..., 7, 130] = -128  # k = 7, panel 2 (columns 128..191) of each expert
         else:
-            v[::2] = -128
+            columns = np.arange(0, shape[-1], 2)
+            v[..., rng.integers(0, shape[-2], len(columns)), columns] = -128
         return v
     raise AssertionError(pattern)
 
 
-@pytest.mark.parametrize("pattern", ["uniform", "all -128", "largest pairs", "-128 in one panel"])
+@pytest.mark.parametrize("pattern", ["uniform", "all -128", "largest pairs", "-128 in one panel",
+                                     "-128 in every other column"])
 def test_products_exact_for_every_byte(pattern, rng):
     # y = q @ weight2 as integers: weight1 the identity, b1 = 128, scale 1, offset -128 give
     # q = x (relu sees x + 128 >= 0); deq scales 1. K = 203 (an odd number of 4-byte groups),
