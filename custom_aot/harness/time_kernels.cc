@@ -95,7 +95,7 @@ std::vector<Case> cases() {
     // over all of int8 (-128 too: the avx2 path's slower product) at the smaller shape
     for (const int64_t lo : {-127, -128}) {
       if (lo == -128 && m > 1024) continue;
-      add(lo == -127 ? "moe_ffn int8" + size : "moe_ffn int8 -128 weights," + size, "MoeFFN",
+      add(lo == -127 ? "moe_ffn int8" + size : "moe_ffn int8 -128 weights" + size, "MoeFFN",
           {ints({m, h}, -128), tokens, ints({e, h, f}, lo), none, ints({e, f, h}, lo), none,
            from_values("float32", {e}, std::vector<double>(e, 0.05)), none,
            from_values("float32", {e, f}, std::vector<double>(e * f, 1.0 / 65536)),
