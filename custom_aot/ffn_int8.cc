@@ -349,9 +349,10 @@ void tile(const Row *const *a, const Panel *b, int64_t k4, int32_t (*acc)[kNR]) 
     }
 #elif defined(MOE_INT8_SIGN)
   // vpmaddubsw multiplies unsigned by signed bytes into 16-bit pair sums that saturate; fed
-  // |a| (unsigned, at most 128, stored after the row) and sign(a) * b (vpsignb), a pair sum is at most
-  // 2 * 128 * 127 = 32512 in magnitude, exact, as long as b is never -128 (whose negation does
-  // not fit a byte: gemm sends the panels that hold it to tile_wide). vpmaddwd with ones then
+  // |a| (unsigned, at most 128, stored after the row) and sign(a) * b (vpsignb), a pair sum is
+  // at most 2 * 128 * 127 = 32512 in magnitude, exact, as long as b is never -128, whose negation
+  // does not fit a byte (a panel's few -128 are replaced by spare_minimums, a panel with more
+  // goes to tile_wide). vpmaddwd with ones then
   // sums pairs into 32 bits. A vector holds 8 columns x 4 k; 3 rows x 16 columns at a time, two
   // k-quads per step. K is walked in blocks of kBlock k-quads, whose 16-column strips (8 KiB)
   // stay in L1 while both row triples use them; the sums wait in acc between blocks.
@@ -593,10 +594,11 @@ inline __m128i requantise8(__m256i sum, __m256 deq, Activation act, float s, flo
   return _mm_xor_si128(_mm_packs_epi16(q16, q16), _mm_set1_epi8(static_cast<char>(kFlip)));
 }
 
+// 8 such bytes stored as Rows.
 inline void store8(Row *dst, __m128i bytes) { _mm_storel_epi64((__m128i *)dst, bytes); }
 #endif
 
-// One row of the first product's store: dst[j] = q + 128 with
+// One row of the first product's store: dst[j] = q ^ kFlip with
 // q = int8(rint(act(float(acc[j] + bias[j]) * deq[j]) * s + o)).
 inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq, int cols,
                        Activation act, float s, float o, Row *dst) {
