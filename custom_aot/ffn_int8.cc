@@ -357,6 +357,7 @@ void tile(const Row *const *a, const Panel *b, int64_t k4, int32_t (*acc)[kNR]) 
   // k-quads per step. K is walked in blocks of kBlock k-quads, whose 16-column strips (8 KiB)
   // stay in L1 while both row triples use them; the sums wait in acc between blocks.
   constexpr int64_t kBlock = 128;  // (even: the k-quads pair up within a block)
+  if (k4 == 0) std::memset(acc, 0, sizeof(int32_t) * kMR * kNR);  // (K = 0: no block runs)
   const __m256i ones = _mm256_set1_epi16(1);
   // 16-bit pair sums of the 8 columns at bk with the 4 bytes of a row at ak
   auto pairs = [k4](const Row *ak, const Panel *bk) {

@@ -219,6 +219,15 @@ def test_zero_token_experts_and_biases_absent(rng):
                     _golden(v, activation="relu", output_dtype="float32"), v, "relu")
 
 
+def test_no_hidden_columns(rng):
+    # F = 0: the second product sums nothing, y = b2 * deq_scale2
+    with np.errstate(divide="ignore"):  # (_case scales deq_scale2 by 1 / sqrt(F))
+        v = _case(rng, counts=(3, 0, 5), h=13, f=0)
+    v["dq2"] = np.full((3, 13), 2.0 ** -10, np.float32)
+    _assert_matches(_call(v, activation="relu", output_dtype="float32"),
+                    _golden(v, activation="relu", output_dtype="float32"), v, "relu")
+
+
 def test_no_rows(rng):
     v = _case(rng, counts=(0, 0))
     assert _call(v).shape == (0, 13)
