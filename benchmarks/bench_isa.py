@@ -4,8 +4,9 @@ Builds custom_aot/harness/time_kernels.cc and times the package's kernel library
 (MS_MOE_OPS_ISA per call), the paths in turns within one process so that a change in the
 machine's load hits all alike: SwiGLU forward/backward (float32, bfloat16; T=8192, H=2048), the
 router forward/backward (M=16384, N=256, K=8), MoeFFN float32 and int8 forward (M=4096, H=1024,
-F=2048, E=8, and M=1024, H=512, F=1024, E=8: benchmarks/bench_ffn_int8.py's shape), the
-activation backward, token permute and weighted unpermute (T=8192, H=2048, K=8, E=64). Prints
+F=2048, E=8, and M=1024, H=512, F=1024, E=8: benchmarks/bench_ffn_int8.py's shape; int8 weights
+in [-127, 127] as quantize_moe_ffn makes them, and at M=1024 also over all of int8, whose -128
+the avx2 path multiplies more slowly), the activation backward, token permute and weighted unpermute (T=8192, H=2048, K=8, E=64). Prints
 each case's median per path and its ratio to the best path, then the int8 FFN's speed over the
 float32 FFN on each path; writes the medians to a CSV; `--table` prints the README's table from
 such a CSV without timing anything.

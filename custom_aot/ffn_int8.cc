@@ -2,16 +2,18 @@
 // the dequantise / activate / requantise step is fused into the first product's store and the
 // dequantise-to-output step into the second's.
 //
-// The x86-64 products multiply UNSIGNED by signed bytes (vpdpbusd of AVX-512 VNNI and AVX-VNNI;
-// the avx2 path widens both to 16 bits for vpmaddwd, where u8 x s8 pairs cannot saturate): x is
-// fed as x + 128 (a bit flip) and 128 * colsum(W) is subtracted afterwards, folded into the bias.
-// aarch64 multiplies signed by signed (SDOT, or NEON's widening multiplies), so x is fed as it is.
+// The VNNI products multiply UNSIGNED by signed bytes (vpdpbusd of AVX-512 VNNI and AVX-VNNI):
+// x is fed as x + 128 (a bit flip) and 128 * colsum(W) is subtracted afterwards, folded into the
+// bias. The avx2 path (vpmaddubsw, also u8 x s8) feeds x as it is, as |x| times sign(x) * w (see
+// tile), and so does aarch64, which multiplies signed by signed (SDOT, or NEON's widening
+// multiplies).
 // Integer sums wrap modulo 2^32 like the device's int32 accumulator, so every path is exact and
 // all give the same integers.
 // The weights are repacked on every call (no cache that could go stale) into panels the 6 x 64
 // register tile streams; packing, conversion and the two products are one parallel region each.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "ffn.h"
 
@@ -35,25 +37,43 @@ constexpr int64_t kRowChunk = 16 * kMR;  // rows of one parallel task
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// How x and the requantised hidden values are fed to the products: q ^ kFlip as a byte (x86-64:
-// unsigned q + 128; aarch64: signed q itself).
-#if defined(__aarch64__)
+// The avx2 path: AVX2 without a byte dot product (vpmaddubsw and the sign trick, see tile).
+#if defined(__AVX2__) && !defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
+#define MOE_INT8_SIGN 1
+#endif
+
+// How x and the requantised hidden values are fed to the products: q ^ kFlip as a byte (VNNI:
+// unsigned q + 128; avx2 and aarch64: signed q itself).
+#if defined(__aarch64__) || defined(MOE_INT8_SIGN)
 constexpr uint8_t kFlip = 0;
 #else
 constexpr uint8_t kFlip = 0x80;
 #endif
 
-// Elements of the products' operands: bytes, or on the avx2 path (no byte dot product) both
-// widened to 16 bits once, when they are stored (rows of x and of the hidden values: Row; packed
-// weight panels: Panel).
-#if defined(__AVX2__) && !defined(__AVXVNNI__) && !defined(__AVX512VNNI__)
-#define MOE_INT8_WIDE 1
-using Row = int16_t;
-using Panel = int16_t;
-#else
+// Elements of the products' operands: rows of x and of the hidden values (Row), packed weight
+// panels (Panel). On the avx2 path each row (K padded to 4 bytes) is followed by its absolute
+// values, the unsigned operand of its products.
 using Row = uint8_t;
 using Panel = int8_t;
+#if defined(MOE_INT8_SIGN)
+constexpr int64_t kRowCopies = 2;
+#else
+constexpr int64_t kRowCopies = 1;
 #endif
+
+// The absolute values of the kp bytes of each of rows row0..row1 (stride ld) after them.
+void absolute_values(Row *rows, int64_t ld, int64_t kp, int64_t row0, int64_t row1) {
+  for (int64_t i = row0; i < row1; ++i) {
+    const Row *v = rows + i * ld;
+    Row *out = rows + i * ld + kp;
+    int64_t k = 0;
+#if defined(__AVX2__)
+    for (; k + 32 <= kp; k += 32)
+      _mm256_storeu_si256((__m256i *)(out + k), _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(v + k))));
+#endif
+    for (; k < kp; ++k) out[k] = static_cast<Row>(std::abs(static_cast<int>(static_cast<int8_t>(v[k]))));
+  }
+}
 
 // A dequant scale as the device uses it: only the top 19 bits of the float32 survive.
 inline float truncated(uint32_t bits) {
@@ -80,16 +100,19 @@ std::vector<float> deq_scales(const Arg &d) {
 
 // One panel of the right-hand int8 matrix B [K, N] (row-major) for the register tile: columns
 // c0..c0+kNR as [K/4][kNR][4], K and N zero-padded. Also writes the panel's columns of
-// bias - 128 * colsum(B) (the correction for feeding x + 128), bias may be null.
-void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t *bias,
+// bias - 128 * colsum(B) (the correction for feeding x + 128), bias may be null. Returns whether
+// the panel holds -128 (the one weight the avx2 path's fast product cannot take).
+bool pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t *bias,
                 Panel *dst, int32_t *bias_out) {
   alignas(64) int32_t sum[kNR] = {};
+  bool holds_min = false;
   int64_t q = 0;
   if (c0 + kNR <= n) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     // interior: a 4 x 64 byte transpose per step; column sums by vpdpbusd with ones
     const __m512i ones = _mm512_set1_epi8(1);
     __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+    __mmask64 mins = 0;
     for (; q * 4 + 4 <= k; ++q, dst += kNR * 4) {
       const int8_t *r = b + q * 4 * n + c0;
       const __m512i r0 = _mm512_loadu_si512(r), r1 = _mm512_loadu_si512(r + n);
@@ -111,7 +134,10 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
       s1 = _mm512_dpbusd_epi32(s1, ones, o1);
       s2 = _mm512_dpbusd_epi32(s2, ones, o2);
       s3 = _mm512_dpbusd_epi32(s3, ones, o3);
+      mins |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(_mm512_min_epi8(r0, r1), _mm512_min_epi8(r2, r3)),
+                                     _mm512_set1_epi8(-128));
     }
+    holds_min = mins != 0;
     _mm512_store_si512(sum, s0);
     _mm512_store_si512(sum + 16, s1);
     _mm512_store_si512(sum + 32, s2);
@@ -119,7 +145,8 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
 #elif defined(__AVX2__)
     // interior: two 4 x 32 byte transposes per step; column sums of 4 bytes per 32-bit lane
     const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
-    __m256i s8[8];
+    const __m256i min8 = _mm256_set1_epi8(-128);
+    __m256i s8[8], mins = _mm256_setzero_si256();
     for (int i = 0; i < 8; ++i) s8[i] = _mm256_setzero_si256();
     for (; q * 4 + 4 <= k; ++q, dst += kNR * 4)
       for (int half = 0; half < 2; ++half) {
@@ -138,19 +165,16 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
                               _mm256_permute2x128_si256(u0, u1, 0x31),
                               _mm256_permute2x128_si256(u2, u3, 0x31)};
         for (int i = 0; i < 4; ++i) {
-          Panel *d = dst + half * 128 + i * 32;
-#if defined(MOE_INT8_WIDE)
-          _mm256_storeu_si256((__m256i *)d, _mm256_cvtepi8_epi16(_mm256_castsi256_si128(o[i])));
-          _mm256_storeu_si256((__m256i *)(d + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(o[i], 1)));
-#else
-          _mm256_storeu_si256((__m256i *)d, o[i]);
-#endif
-          // (1 x |byte| pairs never saturate 16 bits)
-          s8[half * 4 + i] = _mm256_add_epi32(
-              s8[half * 4 + i], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, o[i]), ones16));
+          _mm256_storeu_si256((__m256i *)(dst + half * 128 + i * 32), o[i]);
+          mins = _mm256_or_si256(mins, _mm256_cmpeq_epi8(o[i], min8));
+          // (1 x |byte| pairs never saturate 16 bits; the sums serve only the x + 128 paths)
+          if (kFlip)
+            s8[half * 4 + i] = _mm256_add_epi32(
+                s8[half * 4 + i], _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, o[i]), ones16));
         }
       }
     for (int i = 0; i < 8; ++i) _mm256_store_si256((__m256i *)(sum + i * 8), s8[i]);
+    holds_min = !_mm256_testz_si256(mins, mins);
 #else
     for (; q * 4 + 4 <= k; ++q, dst += kNR * 4) {
       const int8_t *r0 = b + q * 4 * n + c0, *r1 = r0 + n, *r2 = r1 + n, *r3 = r2 + n;
@@ -160,6 +184,7 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
         dst[j * 4 + 2] = r2[j];
         dst[j * 4 + 3] = r3[j];
         sum[j] += r0[j] + r1[j] + r2[j] + r3[j];
+        holds_min |= std::min({r0[j], r1[j], r2[j], r3[j]}) == -128;
       }
     }
 #endif
@@ -172,11 +197,13 @@ void pack_panel(const int8_t *b, int64_t k, int64_t n, int64_t c0, const int32_t
         const int8_t v = (row < k && col < n) ? b[row * n + col] : 0;
         dst[j * 4 + t] = v;
         sum[j] += v;
+        holds_min |= v == -128;
       }
   const uint32_t correction = kFlip ? 128u : 0u;
   for (int64_t j = 0; j < kNR && c0 + j < n; ++j)
     bias_out[j] = static_cast<int32_t>((bias ? static_cast<uint32_t>(bias[c0 + j]) : 0u) -
                                        correction * static_cast<uint32_t>(sum[j]));
+  return holds_min;
 }
 
 // Scratch memory kept between calls, one set per calling thread: fresh buffers the size of the
@@ -195,20 +222,76 @@ T *scratch(Slot slot, int64_t n) {
 }
 
 // B [E, K, N] of every expert packed by pack_panel: expert e's panel p at panel(e, p); bias[e]
-// (N entries) holds the corrected bias.
+// (N entries) holds the corrected bias. Per panel e * panels + p, on the avx2 path: holds_min,
+// whether it holds -128 (and takes tile_wide), or the places of its -128 weights that
+// spare_minimums replaced.
 struct PackedWeights {
   int64_t k, n, k4, panels;
   Panel *data;  // written only for the experts that have rows
   std::vector<int32_t> bias;
+  std::vector<uint8_t> holds_min;
+  std::vector<std::vector<uint32_t>> places;
 
   PackedWeights(Slot slot, int64_t e, int64_t k_, int64_t n_)
       : k(k_), n(n_), k4((k_ + 3) / 4), panels((n_ + kNR - 1) / kNR),
-        data(scratch<Panel>(slot, e * panels * k4 * kNR * 4)), bias(e * n_) {}
+        data(scratch<Panel>(slot, e * panels * k4 * kNR * 4)), bias(e * n_),
+        holds_min(e * panels), places(e * panels) {}
   const Panel *panel(int64_t e, int64_t p) const { return data + (e * panels + p) * k4 * kNR * 4; }
   Panel *panel(int64_t e, int64_t p) { return data + (e * panels + p) * k4 * kNR * 4; }
 };
 
-// acc[r][j] = sum_k a_r[k] * B[k, panel column j] for kMR rows (unsigned a, K padded to 4).
+#if defined(MOE_INT8_SIGN)
+// tile for a panel that holds -128: both operands widened to 16 bits on the fly, vpmaddwd sums
+// their products in pairs into 32 bits (exact for every byte); a vector holds 4 columns x 2
+// partial sums, added at the end. Slower than tile; the package's own quantisation never gives
+// a weight -128.
+void tile_wide(const Row *const *a, const Panel *b, int64_t k4, int32_t (*acc)[kNR]) {
+  for (int r = 0; r < kMR; ++r)
+    for (int half = 0; half < 2; ++half) {
+      __m256i c[8];
+      for (__m256i &v : c) v = _mm256_setzero_si256();
+      for (int64_t q = 0; q < k4; ++q) {
+        int32_t four;
+        std::memcpy(&four, a[r] + q * 4, 4);
+        const __m256i av = _mm256_broadcastq_epi64(_mm_cvtepi8_epi16(_mm_cvtsi32_si128(four)));
+        const Panel *bq = b + q * kNR * 4 + half * 128;
+        for (int j = 0; j < 8; ++j)
+          c[j] = _mm256_add_epi32(c[j], _mm256_madd_epi16(av, _mm256_cvtepi8_epi16(
+                                                              _mm_loadu_si128((const __m128i *)(bq + j * 16)))));
+      }
+      // pair sums -> columns in order: hadd gives c0 c1 c4 c5 | c2 c3 c6 c7 of two vectors
+      for (int v = 0; v < 8; v += 2)
+        _mm256_storeu_si256((__m256i *)(acc[r] + half * 32 + v * 4),
+                            _mm256_permute4x64_epi64(_mm256_hadd_epi32(c[v], c[v + 1]), 0xD8));
+    }
+}
+
+// A packed panel's -128 weights, when there are at most k4 of them (one per 4 rows of K: a
+// few per column, as quantisers over all of int8 make them): each becomes -127 and its place is
+// recorded, and gemm subtracts a[k] for each from tile's sums (a * -128 = a * -127 - a), which
+// keeps the panel on the fast product. Returns false, the panel unchanged, when there are more.
+bool spare_minimums(Panel *panel, int64_t k4, std::vector<uint32_t> &places) {
+  const int64_t bytes = k4 * kNR * 4;  // (a multiple of 256)
+  const __m256i min8 = _mm256_set1_epi8(-128);
+  auto minimums = [&](int64_t i) {
+    return static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256((const __m256i *)(panel + i)), min8)));
+  };
+  int64_t count = 0;
+  for (int64_t i = 0; i < bytes; i += 32) count += __builtin_popcount(minimums(i));
+  if (count > k4) return false;
+  for (int64_t i = 0; i < bytes; i += 32)
+    for (uint32_t mask = minimums(i); mask; mask &= mask - 1) {
+      const int64_t place = i + __builtin_ctz(mask);
+      panel[place] = -127;
+      places.push_back(static_cast<uint32_t>(place));
+    }
+  return true;
+}
+#endif
+
+// acc[r][j] = sum_k a_r[k] * B[k, panel column j] for kMR rows (a as fed: q ^ kFlip; K padded
+// to 4).
 void tile(const Row *const *a, const Panel *b, int64_t k4, int32_t (*acc)[kNR]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   // Named accumulators: GCC spills an array of vectors to the stack on every step.
@@ -264,49 +347,56 @@ void tile(const Row *const *a, const Panel *b, int64_t k4, int32_t (*acc)[kNR]) 
         for (int j = 0; j < 4; ++j)
           _mm256_storeu_si256((__m256i *)(acc[r0 + r] + half * 32 + j * 8), c[r][j]);
     }
-#elif defined(MOE_INT8_WIDE)
-  // No byte dot product: a and b held as 16-bit values, vpmaddwd sums k pairs into 32 bits
-  // (exact: |a b| < 2^15). Per 4 columns a vector holds 2 partial sums each, added at the end.
-  // 2 rows x 16 columns at a time: 8 named accumulators, so that nothing spills to the stack
-  // (with 12, GCC spills on every step). The panel is walked in blocks of kBlock k-quads whose
-  // 16 columns (8 KiB) stay in L1 while the three row pairs use them; the partial sums wait in
-  // `part` between blocks.
-  constexpr int64_t kBlock = 64;
-  __m256i part[kMR][16];
-  for (auto &row : part)
-    for (__m256i &v : row) v = _mm256_setzero_si256();
+#elif defined(MOE_INT8_SIGN)
+  // vpmaddubsw multiplies unsigned by signed bytes into 16-bit pair sums that saturate; fed
+  // |a| (unsigned, at most 128, stored after the row) and sign(a) * b (vpsignb), a pair sum is
+  // at most 2 * 128 * 127 = 32512 in magnitude, exact, as long as b is never -128, whose negation
+  // does not fit a byte (a panel's few -128 are replaced by spare_minimums, a panel with more
+  // goes to tile_wide). vpmaddwd with ones then
+  // sums pairs into 32 bits. A vector holds 8 columns x 4 k; 3 rows x 16 columns at a time, two
+  // k-quads per step. K is walked in blocks of kBlock k-quads, whose 16-column strips (8 KiB)
+  // stay in L1 while both row triples use them; the sums wait in acc between blocks.
+  constexpr int64_t kBlock = 128;  // (even: the k-quads pair up within a block)
+  if (k4 == 0) std::memset(acc, 0, sizeof(int32_t) * kMR * kNR);  // (K = 0: no block runs)
+  const __m256i ones = _mm256_set1_epi16(1);
+  // 16-bit pair sums of the 8 columns at bk with the 4 bytes of a row at ak
+  auto pairs = [k4](const Row *ak, const Panel *bk) {
+    int32_t four, magnitudes;
+    std::memcpy(&four, ak, 4);
+    std::memcpy(&magnitudes, ak + k4 * 4, 4);
+    return _mm256_maddubs_epi16(_mm256_set1_epi32(magnitudes),
+                                _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)bk),
+                                                 _mm256_set1_epi32(four)));
+  };
   for (int64_t q0 = 0; q0 < k4; q0 += kBlock) {
     const int64_t q1 = std::min(k4, q0 + kBlock);
-    for (int quarter = 0; quarter < 4; ++quarter)
-      for (int r0 = 0; r0 < kMR; r0 += 2) {
-        __m256i *p0 = part[r0] + quarter * 4, *p1 = part[r0 + 1] + quarter * 4;
-        __m256i c00 = p0[0], c01 = p0[1], c02 = p0[2], c03 = p0[3];
-        __m256i c10 = p1[0], c11 = p1[1], c12 = p1[2], c13 = p1[3];
-        const Row *a0 = a[r0], *a1 = a[r0 + 1];
-        const Panel *bq = b + q0 * kNR * 4 + quarter * 64;
-        for (int64_t q = q0; q < q1; ++q, bq += kNR * 4) {
-          int64_t four0, four1;
-          std::memcpy(&four0, a0 + q * 4, 8);
-          std::memcpy(&four1, a1 + q * 4, 8);
-          const __m256i x0 = _mm256_set1_epi64x(four0), x1 = _mm256_set1_epi64x(four1);
-#define MOE_COLS(j)                                                             \
-  {                                                                             \
-    const __m256i bv = _mm256_loadu_si256((const __m256i *)(bq + j * 16));      \
-    c0##j = _mm256_add_epi32(c0##j, _mm256_madd_epi16(x0, bv));                 \
-    c1##j = _mm256_add_epi32(c1##j, _mm256_madd_epi16(x1, bv));                 \
-  }
-          MOE_COLS(0) MOE_COLS(1) MOE_COLS(2) MOE_COLS(3)
-#undef MOE_COLS
-        }
-        p0[0] = c00, p0[1] = c01, p0[2] = c02, p0[3] = c03;
-        p1[0] = c10, p1[1] = c11, p1[2] = c12, p1[3] = c13;
+    for (int c0 = 0; c0 < kNR; c0 += 16)
+      for (int r0 = 0; r0 < kMR; r0 += 3) {
+        __m256i c[3][2];
+        for (int r = 0; r < 3; ++r)
+          for (int j = 0; j < 2; ++j)
+            c[r][j] = q0 == 0 ? _mm256_setzero_si256()
+                              : _mm256_loadu_si256((const __m256i *)(acc[r0 + r] + c0 + j * 8));
+        const Panel *bq = b + q0 * kNR * 4 + c0 * 4;
+        int64_t q = q0;
+        for (; q + 2 <= q1; q += 2, bq += 2 * kNR * 4)
+          for (int r = 0; r < 3; ++r)
+            for (int j = 0; j < 2; ++j) {
+              const Row *ak = a[r0 + r] + q * 4;
+              const __m256i p = pairs(ak, bq + j * 32), t = pairs(ak + 4, bq + kNR * 4 + j * 32);
+              c[r][j] = _mm256_add_epi32(c[r][j], _mm256_add_epi32(_mm256_madd_epi16(p, ones),
+                                                                   _mm256_madd_epi16(t, ones)));
+            }
+        if (q < q1)
+          for (int r = 0; r < 3; ++r)
+            for (int j = 0; j < 2; ++j)
+              c[r][j] = _mm256_add_epi32(
+                  c[r][j], _mm256_madd_epi16(pairs(a[r0 + r] + q * 4, bq + j * 32), ones));
+        for (int r = 0; r < 3; ++r)
+          for (int j = 0; j < 2; ++j)
+            _mm256_storeu_si256((__m256i *)(acc[r0 + r] + c0 + j * 8), c[r][j]);
       }
   }
-  // pair sums -> columns in order: hadd gives c0 c1 c4 c5 | c2 c3 c6 c7 of two vectors
-  for (int r = 0; r < kMR; ++r)
-    for (int v = 0; v < 16; v += 2)
-      _mm256_storeu_si256((__m256i *)(acc[r] + v * 4),
-                          _mm256_permute4x64_epi64(_mm256_hadd_epi32(part[r][v], part[r][v + 1]), 0xD8));
 #elif defined(__ARM_FEATURE_DOTPROD)
   // SDOT on 4 columns x 4 k per vector (signed bytes): 3 rows x 16 columns at a time
   for (int quarter = 0; quarter < 4; ++quarter)
@@ -397,7 +487,22 @@ void gemm(const Row *a, int64_t lda, const std::vector<int64_t> &offsets,
       const int rows = static_cast<int>(std::min<int64_t>(kMR, w.r1 - i));
       const Row *rp[kMR];
       for (int r = 0; r < kMR; ++r) rp[r] = a + (i + std::min(r, rows - 1)) * lda;
+#if defined(MOE_INT8_SIGN)
+      if (b.holds_min[w.e * b.panels + w.p]) {
+        tile_wide(rp, b.panel(w.e, w.p), b.k4, acc);
+      } else {
+        tile(rp, b.panel(w.e, w.p), b.k4, acc);
+        for (const uint32_t place : b.places[w.e * b.panels + w.p]) {  // (see spare_minimums)
+          const int64_t k = place / (kNR * 4) * 4 + place % 4;
+          const int j = static_cast<int>(place / 4 % kNR);
+          for (int r = 0; r < kMR; ++r)
+            acc[r][j] = static_cast<int32_t>(static_cast<uint32_t>(acc[r][j]) -
+                                             static_cast<uint32_t>(static_cast<int8_t>(rp[r][k])));
+        }
+      }
+#else
       tile(rp, b.panel(w.e, w.p), b.k4, acc);
+#endif
       store(w.e, i, c0, rows, cols, acc);
     }
   }
@@ -490,17 +595,11 @@ inline __m128i requantise8(__m256i sum, __m256 deq, Activation act, float s, flo
   return _mm_xor_si128(_mm_packs_epi16(q16, q16), _mm_set1_epi8(static_cast<char>(kFlip)));
 }
 
-// 8 such bytes stored as Rows (widened to 16 bits on the avx2 path).
-inline void store8(Row *dst, __m128i bytes) {
-#if defined(MOE_INT8_WIDE)
-  _mm_storeu_si128((__m128i *)dst, _mm_cvtepu8_epi16(bytes));
-#else
-  _mm_storel_epi64((__m128i *)dst, bytes);
-#endif
-}
+// 8 such bytes stored as Rows.
+inline void store8(Row *dst, __m128i bytes) { _mm_storel_epi64((__m128i *)dst, bytes); }
 #endif
 
-// One row of the first product's store: dst[j] = q + 128 with
+// One row of the first product's store: dst[j] = q ^ kFlip with
 // q = int8(rint(act(float(acc[j] + bias[j]) * deq[j]) * s + o)).
 inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq, int cols,
                        Activation act, float s, float o, Row *dst) {
@@ -540,7 +639,7 @@ inline void requantise(const int32_t *acc, const int32_t *bias, const float *deq
     const int32_t sum = static_cast<int32_t>(static_cast<uint32_t>(acc[j]) +
                                              static_cast<uint32_t>(bias[j]));
     const float hv = static_cast<float>(sum) * deq[j];
-    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ kFlip);  // (as a Row)
+    dst[j] = static_cast<uint8_t>(saturate_int8(std::fma(activate(act, hv), s, o)) ^ kFlip);
   }
 }
 
@@ -594,15 +693,18 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
   const std::vector<float> dq1 = deq_scales(a.dq1), dq2 = deq_scales(a.dq2);
   const bool parallel = m * h * f >= kParallelWork;
 
-  // x ^ kFlip (x + 128 as unsigned bytes on x86-64); the rows of x and of q are padded to a
-  // multiple of 4 with zeros (they meet the zero padding of the packed weights).
-  Row *xu = scratch<Row>(kXSlot, m * hp), *qu = scratch<Row>(kQSlot, m * fp);
+  // x ^ kFlip (x + 128 as unsigned bytes on the VNNI paths); the rows of x and of q are padded to a
+  // multiple of 4 with zeros (they meet the zero padding of the packed weights), row strides
+  // xld and qld (room for the absolute values on the avx2 path).
+  const int64_t xld = hp * kRowCopies, qld = fp * kRowCopies;
+  Row *xu = scratch<Row>(kXSlot, m * xld), *qu = scratch<Row>(kQSlot, m * qld);
   const int8_t *x = a.x.as<int8_t>();
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t k = 0; k < h; ++k) xu[i * hp + k] = static_cast<uint8_t>(x[i * h + k] ^ kFlip);
-    std::fill(xu + i * hp + h, xu + (i + 1) * hp, 0);
-    std::fill(qu + i * fp + f, qu + (i + 1) * fp, 0);
+    for (int64_t k = 0; k < h; ++k) xu[i * xld + k] = static_cast<uint8_t>(x[i * h + k] ^ kFlip);
+    std::fill(xu + i * xld + h, xu + i * xld + hp, 0);
+    std::fill(qu + i * qld + f, qu + i * qld + fp, 0);
+    if (kRowCopies == 2) absolute_values(xu, xld, hp, i, i + 1);
   }
 
   // both weights of every expert that has rows
@@ -622,28 +724,36 @@ int run(const Int8Args &a, Activation act, const std::vector<int64_t> &offsets) 
 #pragma omp parallel for schedule(dynamic) if (parallel)
   for (int64_t t = 0; t < static_cast<int64_t>(packs.size()); ++t) {
     const PackTask &pk = packs[t];
-    if (!pk.second)
-      pack_panel(a.w1.as<int8_t>() + pk.e * h * f, h, f, pk.p * kNR, b1 ? b1 + pk.e * f : nullptr,
-                 w1.panel(pk.e, pk.p), w1.bias.data() + pk.e * f + pk.p * kNR);
-    else
-      pack_panel(a.w2.as<int8_t>() + pk.e * f * h, f, h, pk.p * kNR, b2 ? b2 + pk.e * h : nullptr,
-                 w2.panel(pk.e, pk.p), w2.bias.data() + pk.e * h + pk.p * kNR);
+    PackedWeights &w = pk.second ? w2 : w1;
+    const int64_t k = pk.second ? f : h, n = pk.second ? h : f;
+    const int8_t *src = (pk.second ? a.w2.as<int8_t>() : a.w1.as<int8_t>()) + pk.e * k * n;
+    const int32_t *bias = pk.second ? b2 : b1;
+    const int64_t i = pk.e * w.panels + pk.p;
+    w.holds_min[i] = pack_panel(src, k, n, pk.p * kNR, bias ? bias + pk.e * n : nullptr,
+                                w.panel(pk.e, pk.p), w.bias.data() + pk.e * n + pk.p * kNR);
+#if defined(MOE_INT8_SIGN)
+    if (w.holds_min[i]) w.holds_min[i] = !spare_minimums(w.panel(pk.e, pk.p), w.k4, w.places[i]);
+#endif
   }
 
   // h = (x @ w1 + b1) * dq1; q = int8(rint(act(h) * scale + offset)), stored as q + 128
   const float *scale = a.scale.as<float>();
   const float *offset = a.offset.present() ? a.offset.as<float>() : nullptr;
-  gemm(xu, hp, offsets, w1, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
+  gemm(xu, xld, offsets, w1, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
                                 const int32_t (*acc)[kNR]) {
     const float s = scale[ex], o = offset ? offset[ex] : 0.f;
     for (int r = 0; r < rows; ++r)
       requantise(acc[r], w1.bias.data() + ex * f + c0, dq1.data() + ex * f + c0, cols, act, s, o,
-                 qu + (i + r) * fp + c0);
+                 qu + (i + r) * qld + c0);
   });
+  if (kRowCopies == 2) {
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t i = 0; i < m; i += 64) absolute_values(qu, qld, fp, i, std::min(m, i + 64));
+  }
 
   // y = (q @ w2 + b2) * dq2
   T *y = a.y.as<T>();
-  gemm(qu, fp, offsets, w2, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
+  gemm(qu, qld, offsets, w2, [&](int64_t ex, int64_t i, int64_t c0, int rows, int cols,
                                 const int32_t (*acc)[kNR]) {
     const int32_t *bias = w2.bias.data() + ex * h + c0;
     const float *d2 = dq2.data() + ex * h + c0;

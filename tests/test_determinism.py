@@ -68,6 +68,11 @@ for path in lib.MsMoeOpsIsaPaths().decode().split():  # every path, each on the 
     out[path + "/ffn_act_grad"] = gh.asnumpy()
     v = cases.int8_ffn_case(rng, counts=(300, 0, 212), h=256, f=520)
     out[path + "/ffn_int8"] = cases.int8_ffn(v, output_dtype="float32").asnumpy()
+    # weights in [-127, 127] as quantize_moe_ffn makes them, and a few -128 (the avx2 path's
+    # fast product, and its correction)
+    v = dict(v, w1=np.maximum(v["w1"], -127), w2=np.maximum(v["w2"], -127))
+    v["w1"][2, 7, ::5] = -128
+    out[path + "/ffn_int8_symmetric"] = cases.int8_ffn(v, output_dtype="float32").asnumpy()
     e_idx = np.array([rng.permutation(16)[:4] for _ in range(900)], np.int32)
     p, s, c = mo.moe_token_permute(bf(rng.normal(size=(900, 64))), Tensor(e_idx), 16)
     out[path + "/permute"] = p.astype(ms.float32).asnumpy()

@@ -143,10 +143,69 @@ def test_int32_sums_wrap():
     assert y[0, 0] == 0 and y[0, 1] == 0  # wrapped negative -> relu 0 -> q = 0
 
 
+def _bytes(rng, pattern, shape, weights):
+    """Adversarial int8 operands for the products. The avx2 path multiplies |x| by sign(x) * w in
+    16-bit pairs (vpmaddubsw), exact while w != -128: a panel of weights with a few -128 has them
+    replaced and corrected for, one with more takes a widening product."""
+    if pattern == "uniform":
+        return rng.integers(-128, 128, shape).astype(np.int8)
+    if pattern == "all -128":
+        return np.full(shape, -128, np.int8)
+    if pattern == "largest pairs":  # |x| = 128 against |w| = 127: pair sums of +-32512
+        return rng.choice(np.int8([-128, -128, 127]) if not weights else np.int8([-127, 127]), shape)
+    if pattern in ("-128 in one panel", "-128 in every other column"):
+        # the package's own weights ([-127, 127]) and a few -128, replaced in the packed panels
+        # (the product corrected afterwards): one in panel 2, or one per column as per-channel
+        # quantisers over all of int8 give them (32 per panel, under the avx2 path's limit)
+        v = rng.choice(np.int8([-127, 127, -1, 0]), shape)
+        if not weights:
+            v[::2] = -128
+        elif pattern == "-128 in one panel":
+            v[..., 7, 130] = -128  # k = 7, panel 2 (columns 128..191) of each expert
+        else:
+            columns = np.arange(0, shape[-1], 2)
+            v[..., rng.integers(0, shape[-2], len(columns)), columns] = -128
+        return v
+    raise AssertionError(pattern)
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "all -128", "largest pairs", "-128 in one panel",
+                                     "-128 in every other column"])
+def test_products_exact_for_every_byte(pattern, rng):
+    # y = q @ weight2 as integers: weight1 the identity, b1 = 128, scale 1, offset -128 give
+    # q = x (relu sees x + 128 >= 0); deq scales 1. K = 203 (an odd number of 4-byte groups),
+    # N = 203 (a partial last panel); integers below 2^24 are exact in float32.
+    n, counts = 203, (20, 0, 31)
+    x = _bytes(rng, pattern, (sum(counts), n), weights=False)
+    w2 = _bytes(rng, pattern, (3, n, n), weights=True)
+    v = dict(x=x, tokens=np.array(counts, np.int64), w1=np.tile(np.eye(n, dtype=np.int8), (3, 1, 1)),
+             w2=w2, b1=np.full((3, n), 128, np.int32), b2=None, scale=np.ones(3, np.float32),
+             offset=np.full(3, -128, np.float32), dq1=np.ones((3, n), np.float32),
+             dq2=np.ones((3, n), np.float32))
+    y = _as_f32(_call(v, activation="relu", output_dtype="float32"))
+    expert = np.repeat([0, 2], [20, 31])
+    expected = np.einsum("mk,mkn->mn", x.astype(np.int64), w2[expert].astype(np.int64))
+    np.testing.assert_array_equal(y, expected.astype(np.float32))
+    # the first product with the same operands, through the golden model (relu: bit for bit)
+    v = dict(_case(rng, counts=counts, h=n, f=n), x=x, w1=w2, w2=w2)
+    v["dq1"] = np.full((3, n), 2.0 ** -21, np.float32)
+    _assert_matches(_call(v, activation="relu", output_dtype="float32"),
+                    _golden(v, activation="relu", output_dtype="float32"), v, "relu")
+
+
 # -- expert layouts -------------------------------------------------------------------------------
 
 def test_zero_token_experts_and_biases_absent(rng):
     v = _case(rng, counts=(0, 6, 0, 0, 11, 0), bias=False)
+    _assert_matches(_call(v, activation="relu", output_dtype="float32"),
+                    _golden(v, activation="relu", output_dtype="float32"), v, "relu")
+
+
+def test_no_hidden_columns(rng):
+    # F = 0: the second product sums nothing, y = b2 * deq_scale2
+    with np.errstate(divide="ignore"):  # (_case scales deq_scale2 by 1 / sqrt(F))
+        v = _case(rng, counts=(3, 0, 5), h=13, f=0)
+    v["dq2"] = np.full((3, 13), 2.0 ** -10, np.float32)
     _assert_matches(_call(v, activation="relu", output_dtype="float32"),
                     _golden(v, activation="relu", output_dtype="float32"), v, "relu")
 

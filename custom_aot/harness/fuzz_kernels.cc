@@ -112,6 +112,22 @@ class Gen {
     for (int64_t i = 0; i < t.numel(); ++i) put_int(t, i, rng_.integer(lo, hi));
     return t;
   }
+  // int8 operands of the quant path: uniform, or one of the byte patterns that the avx2 path's
+  // products must get exactly right (-128 everywhere, the largest |x| * |w| pairs, weights in
+  // [-127, 127] as the package quantises them, with a rare -128)
+  Tensor bytes(std::vector<int64_t> shape) {
+    Tensor t = harness::zeros("int8", std::move(shape));
+    const int64_t mode = rng_.integer(0, 4);
+    static const int8_t extremes[] = {-128, -128, -127, 127};
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      int64_t v = rng_.integer(-128, 127);
+      if (mode == 1) v = -128;
+      else if (mode == 2) v = extremes[rng_.integer(0, 3)];
+      else if (mode == 3) v = rng_.integer(0, 999) == 0 ? -128 : rng_.integer(-127, 127);
+      put_int(t, i, v);
+    }
+    return t;
+  }
   static void put_int(Tensor &t, int64_t i, int64_t v) {
     if (t.dtype == "int64") t.as<int64_t>()[i] = v;
     else if (t.dtype == "int32") t.as<int32_t>()[i] = static_cast<int32_t>(v);
@@ -477,10 +493,10 @@ Case moe_ffn(Gen &g) {
       }
       return t;
     };
-    c.inputs = {{"x", g.ints("int8", {m, h}, -128, 127)}, {"expert_tokens", tokens},
-                {"weight1", g.ints("int8", {e, h, f}, -128, 127)},
+    c.inputs = {{"x", g.bytes({m, h})}, {"expert_tokens", tokens},
+                {"weight1", g.bytes({e, h, f})},
                 {"bias1", g.chance(60) ? g.ints("int32", {e, f}, -3000, 3000) : Tensor()},
-                {"weight2", g.ints("int8", {e, f, h}, -128, 127)},
+                {"weight2", g.bytes({e, f, h})},
                 {"bias2", g.chance(60) ? g.ints("int32", {e, h}, -3000, 3000) : Tensor()},
                 {"scale", g.floats("float32", {e}, 1.0)},
                 {"offset", g.chance(60) ? g.floats("float32", {e}, 4.0) : Tensor()},

@@ -84,19 +84,24 @@ std::vector<Case> cases() {
         {random(rng, "float32", {m, h}), tokens, random(rng, "float32", {e, h, f}, 0.05), none,
          random(rng, "float32", {e, f, h}, 0.05), none, none, none, none, none, zeros("float32", {m, h})})
         ->set_str("activation", "fastgelu").set_bool("tokens_index_flag", false);
-    auto ints = [&](std::vector<int64_t> shape) {
+    auto ints = [&](std::vector<int64_t> shape, int64_t lo) {
       int64_t n = 1;
       for (int64_t d : shape) n *= d;
       std::vector<double> v(n);
-      for (double &x : v) x = static_cast<double>(rng.integer(-128, 127));
+      for (double &x : v) x = static_cast<double>(rng.integer(lo, 127));
       return from_values("int8", shape, v);
     };
-    add("moe_ffn int8" + size, "MoeFFN",
-        {ints({m, h}), tokens, ints({e, h, f}), none, ints({e, f, h}), none,
-         from_values("float32", {e}, std::vector<double>(e, 0.05)), none,
-         from_values("float32", {e, f}, std::vector<double>(e * f, 1.0 / 65536)),
-         from_values("float32", {e, h}, std::vector<double>(e * h, 1.0 / 65536)), zeros("float32", {m, h})})
-        ->set_str("activation", "fastgelu").set_bool("tokens_index_flag", false);
+    // weights in [-127, 127] as the package quantises them (symmetric); the same with weights
+    // over all of int8 (-128 too: the avx2 path's slower product) at the smaller shape
+    for (const int64_t lo : {-127, -128}) {
+      if (lo == -128 && m > 1024) continue;
+      add(lo == -127 ? "moe_ffn int8" + size : "moe_ffn int8 -128 weights" + size, "MoeFFN",
+          {ints({m, h}, -128), tokens, ints({e, h, f}, lo), none, ints({e, f, h}, lo), none,
+           from_values("float32", {e}, std::vector<double>(e, 0.05)), none,
+           from_values("float32", {e, f}, std::vector<double>(e * f, 1.0 / 65536)),
+           from_values("float32", {e, h}, std::vector<double>(e * h, 1.0 / 65536)), zeros("float32", {m, h})})
+          ->set_str("activation", "fastgelu").set_bool("tokens_index_flag", false);
+    }
   }
   {  // MoeFFN's activation backward, M=4096, F=2048
     const int64_t m = 4096, f = 2048;
