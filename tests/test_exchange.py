@@ -1,13 +1,15 @@
-"""The AlltoAllV exchange pair (expert parallelism on Ascend) in one process: AlltoAllV has no CPU
-kernel, so a stand-in plays the collective of a world of ranks (what each rank receives, computed
-with numpy from every rank's rows, with AlltoAllV's documented shape-() result when nothing
-arrives) and the exchange's own plan, dispatch and combine run for real, in both modes."""
+"""The exchange pairs in one process. AlltoAllV (expert parallelism on Ascend) has no CPU kernel,
+so a stand-in plays the collective of a world of ranks (what each rank receives, computed with
+numpy from every rank's rows, with AlltoAllV's documented shape-() result when nothing arrives)
+and the exchange's own plan, dispatch and combine run for real, in both modes. The AllReduce
+pair (every other device) runs the same way, for worlds of more than the two ranks msrun gives
+its distributed tests here."""
 import numpy as np
 import pytest
 from mindspore import Tensor, nn
 
 from ms_moe_ops.nn._precision import SelfCastingCell
-from ms_moe_ops.parallel.exchange import AlltoAllVExchange
+from ms_moe_ops.parallel.exchange import AllReduceExchange, AlltoAllVExchange
 from conftest import numpy, run
 
 H = 3
@@ -84,3 +86,66 @@ def test_the_plan_is_this_ranks_row_and_column(rng):
     send = np.array([[1, 2, 0], [3, 0, 4], [0, 5, 6]], np.int64)
     sent, received = _Exchange(1, np.zeros(())).plan(Tensor(send), 7)
     assert sent.asnumpy().tolist() == [3, 0, 4] and received.asnumpy().tolist() == [2, 0, 5]
+
+
+# -- the AllReduce pair: every rank sends M rows in all (send rows sum to M) ------------------------
+
+class _Sum(nn.Cell):
+    """The AllReduce as rank r sees it: returns `out` (the world's sum) whatever it is given;
+    with out=None it records its input and returns it (to collect every rank's share first)."""
+
+    def __init__(self, out=None):
+        super().__init__()
+        self.out, self.seen = (None if out is None else Tensor(out)), []
+
+    def construct(self, x):
+        if self.out is None:
+            self.seen.append(x.asnumpy())
+            return x
+        return self.out
+
+
+class _AllReduce(AllReduceExchange):
+    def __init__(self, rank, size, all_reduce):
+        SelfCastingCell.__init__(self)
+        self.rank, self.size, self.all_reduce = rank, size, all_reduce
+
+
+SUM_WORLDS = [[[2, 1, 0], [0, 1, 2], [1, 0, 2]], [[0, 3, 1, 0], [2, 0, 0, 2], [1, 1, 1, 1], [0, 0, 4, 0]],
+              [[1, 2], [3, 0]]]
+
+
+@pytest.mark.parametrize("send", SUM_WORLDS)
+def test_all_reduce_dispatch_gives_each_rank_what_was_sent_to_it(send, mode, rng):
+    world = _World(send, rng)
+    n, m = len(send), int(world.send[0].sum())
+    everyone = np.concatenate(world.rows)  # the all-reduced [n*M, H]: rank s's rows at s*M
+    for r in range(n):
+        exchange = _AllReduce(r, n, _Sum(everyone))
+        fn = lambda x, s: exchange.dispatch(x, exchange.plan(s, x.shape[0]))  # noqa: E731
+        got = numpy(run(fn, Tensor(world.rows[r]), Tensor(world.send), mode=mode))
+        mine = np.concatenate([world.chunk(s, r) for s in range(n)]).reshape(-1, H)
+        assert got.shape == (n * m, H)
+        np.testing.assert_array_equal(got[:len(mine)], mine)
+        np.testing.assert_array_equal(got[len(mine):], 0)
+
+
+@pytest.mark.parametrize("send", SUM_WORLDS)
+def test_all_reduce_combine_gives_each_rank_its_own_rows_back(send, rng):
+    world = _World(send, rng)
+    n, m = len(send), int(world.send[0].sum())
+    # the experts' results: each received row times 2 (plus rows past them that must be ignored)
+    results = []
+    for r in range(n):
+        mine = np.concatenate([world.chunk(s, r) for s in range(n)]).reshape(-1, H)
+        results.append(np.concatenate([2 * mine, np.full((n * m - len(mine), H), 7.0, np.float32)]))
+    plans = [_AllReduce(r, n, None).plan(Tensor(world.send), m) for r in range(n)]
+    shares = []
+    for r in range(n):  # every rank's share of the AllReduce, then their sum for each
+        recorder = _Sum()
+        _AllReduce(r, n, recorder).combine(Tensor(results[r]), plans[r])
+        shares.append(recorder.seen[0])
+    total = np.sum(shares, axis=0)
+    for r in range(n):
+        got = _AllReduce(r, n, _Sum(total)).combine(Tensor(results[r]), plans[r]).asnumpy()
+        np.testing.assert_array_equal(got, 2 * world.rows[r])
