@@ -57,6 +57,18 @@ def test_many_rows_in_blocks(dtype, rng):
         assert_close(numpy(dw), exact, atol=1e-6 * size.max())
 
 
+@pytest.mark.parametrize("rows,n", [(1, 129), (37, 200), (255, 300)])
+@pytest.mark.parametrize("transpose_weight", [False, True], ids=["plain", "transpose_weight"])
+def test_column_tiles(transpose_weight, rows, n, dtype, rng):
+    """Fewer than 256 rows and N > 128: the kernel splits the columns into tiles too."""
+    counts = (rows - rows // 3, 0, rows // 3)
+    x, w, b, _, gl = _case(rng, m=rows, k=16, n=n, counts=counts, dtype=dtype)
+    stored = w.transpose(0, 2, 1).copy() if transpose_weight else w
+    y = grouped_matmul(tensor(x, dtype), tensor(stored, dtype), tensor(gl), tensor(b, dtype),
+                       transpose_weight=transpose_weight)
+    assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), dtype)
+
+
 def test_cumulative_group_list(rng):
     x, w, b, _, gl = _case(rng)
     y = grouped_matmul(tensor(x, "float32"), tensor(w, "float32"), tensor(np.cumsum(gl)),

@@ -286,6 +286,8 @@ def gmm_cases(draw):
 @given(case=gmm_cases())
 @example(case=("plain", [3, 2], 0, False, 40, 200, False, False, "float16", 1))  # N > 128, few rows
 @example(case=("transpose_weight", [2, 0, 1], 1, True, 33, 257, True, True, "bfloat16", 2))
+@example(case=("transpose_weight", [3, 2], 0, False, 40, 200, True, False, "float32", 3))  # column
+@example(case=("plain", [5, 0, 7], 0, False, 16, 300, False, False, "float32", 4))  # tiles (float32)
 @examples(30)
 def test_grouped_matmul(case, implementation):
     form, counts, pad, padded, k, n, with_bias, cumulative, dtype, seed = case
