@@ -115,6 +115,7 @@ SUM_WORLDS = [[[2, 1, 0], [0, 1, 2], [1, 0, 2]], [[0, 3, 1, 0], [2, 0, 0, 2], [1
               [[1, 2], [3, 0]]]
 
 
+@pytest.mark.slow_in_graph  # a compilation per rank
 @pytest.mark.parametrize("send", SUM_WORLDS)
 def test_all_reduce_dispatch_gives_each_rank_what_was_sent_to_it(send, mode, rng):
     world = _World(send, rng)

@@ -110,6 +110,17 @@ def test_parameters_stay_parameters(rng):
                                   full["layers.0.moe.experts.weight2"].asnumpy())
 
 
+def test_sharded_parameters_are_named_after_their_key(rng):
+    """A Parameter gets its checkpoint key as its name (what load_param_into_net matches), also
+    when the Parameter it was made from had another name (a sub-network's own)."""
+    full = {"net." + k: Parameter(Tensor(v), name=k) for k, v in _checkpoint(rng).items()}
+    shards = [shard_experts(full, r, 2) for r in range(2)]
+    for params in shards + [gather_experts(shards)]:
+        for key, value in params.items():
+            if is_expert_parameter(key):
+                assert value.name == key
+
+
 def test_checkpoint_errors(rng):
     full = _checkpoint(rng, experts=3)
     with pytest.raises(ValueError, match="3 experts, not a multiple of size=2"):
