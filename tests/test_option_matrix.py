@@ -837,7 +837,8 @@ class _FakeLauncher:
 MSRUN_CASES = {
     "defaults": dict(),
     "everything given": dict(args=("a", 3), workers=3, timeout=7, log_dir="logs",
-                             cluster_time_out=9, env={"MATRIX_ONLY_HERE": "1", "PATH": "/bin"}),
+                             cluster_time_out=9, env={"MATRIX_ONLY_HERE": "1", "PATH": "/bin",
+                                                       "PYTHONPATH": "/given/only"}),
     "timeout reached": dict(timeout=5),
 }
 
@@ -851,6 +852,7 @@ def test_msrun_options_reach_the_launch(case, monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "_end_job", lambda launcher: None)
     monkeypatch.setattr(_FakeLauncher, "hang", case == "timeout reached")
     monkeypatch.setenv("MATRIX_ONLY_OUTSIDE", "1")
+    monkeypatch.setenv("PYTHONPATH", "/caller/only")
     if case == "timeout reached":
         with pytest.raises(LaunchError, match="no result within 5 s on 2 processes"):
             msrun("w.py", **options)
@@ -868,10 +870,14 @@ def test_msrun_options_reach_the_launch(case, monkeypatch, tmp_path):
     assert started["timeout"] == options.get("timeout", 300)
     if "log_dir" in options:
         assert log_dir == options["log_dir"] and os.path.isdir(log_dir)
-    if "env" in options:  # the given environment, not the caller's
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__)))
+    paths = env["PYTHONPATH"].split(os.pathsep)
+    assert os.path.dirname(package_root) == paths[0]  # the caller's ms_moe_ops first
+    if "env" in options:  # the given environment, not the caller's (PYTHONPATH included)
         assert env["MATRIX_ONLY_HERE"] == "1" and "MATRIX_ONLY_OUTSIDE" not in env
+        assert paths[1:] == [p for p in [options["env"].get("PYTHONPATH")] if p]
     else:
-        assert env["MATRIX_ONLY_OUTSIDE"] == "1"
+        assert env["MATRIX_ONLY_OUTSIDE"] == "1" and paths[1:] == ["/caller/only"]
 
 
 def _msrun_values(options):
