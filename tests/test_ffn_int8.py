@@ -297,15 +297,17 @@ def test_quantised_cell_runs_the_int8_golden_model(mode, rng):
     q, calib = _quantised(MoeFFN(3, 24, 40, has_bias=True), tokens, rng, bias=0.1,
                           output_dtype="bfloat16")
     assert isinstance(q, QuantMoeFFN) and q.weight1.dtype == ms.int8 and q.deq_scale1.dtype == ms.uint64
-    y = run(q, tensor(calib), tensor(tokens), mode=mode)
-    x_q = np.clip(np.rint(calib / q.x_step.asnumpy()), -128, 127).astype(np.int8)
     p = {n: getattr(q, n).asnumpy() for n in ("weight1", "weight2", "bias1", "bias2", "scale",
                                              "offset", "deq_scale1", "deq_scale2")}
-    expected = reference.moe_ffn_quant(x_q, tokens, p["weight1"], p["weight2"], p["bias1"],
-                                       p["bias2"], p["scale"], p["offset"], p["deq_scale1"],
-                                       p["deq_scale2"], output_dtype="bfloat16")
-    v = dict(dq2=p["deq_scale2"])
-    _assert_matches(y, expected, v, "fastgelu")
+    # the calibration data, then inputs past its range: x saturates at int8's both ends
+    for x in (calib, (1.5 * calib).astype(np.float32)):
+        y = run(q, tensor(x), tensor(tokens), mode=mode)
+        x_q = np.clip(np.rint(x / q.x_step.asnumpy()), -128, 127).astype(np.int8)
+        expected = reference.moe_ffn_quant(x_q, tokens, p["weight1"], p["weight2"], p["bias1"],
+                                           p["bias2"], p["scale"], p["offset"], p["deq_scale1"],
+                                           p["deq_scale2"], output_dtype="bfloat16")
+        _assert_matches(y, expected, dict(dq2=p["deq_scale2"]), "fastgelu")
+    assert (x_q == -128).any() and (x_q == 127).any()
 
 
 def test_quantised_cell_checkpoint_round_trip(tmp_path, rng):
