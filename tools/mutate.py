@@ -17,7 +17,7 @@ maintainer would run them; `--as-listed` runs the node ids only. Each test file 
 Before the first mutation the listed tests must pass on the unmutated copy (per build environment),
 or nothing could be concluded: a failing or timed-out baseline is reported as such, with its log.
 Exit status 0 when every bug was caught.
-Not part of CI: a full run takes 30-60 minutes on 2 cores (about a minute per C++ rebuild).
+Not part of CI: a full run takes one to two hours on 2 cores (about a minute per C++ rebuild).
 """
 import argparse
 import glob
