@@ -106,13 +106,13 @@ def _composed(a):
         a["cumulative"]
     matmul_op = ops.MatMul(transpose_a=transpose_x, transpose_b=transpose_weight)
 
-    def matmul(a, b):
+    def matmul(lhs, rhs):
         # an empty sum is zeros: MindSpore's CPU MatMul leaves its output unset when the reduced
         # dimension is 0 (no rows with transpose_x, K = 0 otherwise)
-        if a.shape[0 if transpose_x else 1] == 0:
-            n = b.shape[0] if transpose_weight else b.shape[1]
-            return ops.zeros((a.shape[1] if transpose_x else a.shape[0], n), dtype=a.dtype)
-        return matmul_op(a, b)
+        if lhs.shape[0 if transpose_x else 1] == 0:
+            n = rhs.shape[0] if transpose_weight else rhs.shape[1]
+            return ops.zeros((lhs.shape[1] if transpose_x else lhs.shape[0], n), dtype=lhs.dtype)
+        return matmul_op(lhs, rhs)
 
     def f(x, weight, group_list, bias):
         member = _group_members(group_list, x.shape[0], cumulative)        # [M, G]
