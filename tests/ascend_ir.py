@@ -89,9 +89,19 @@ class Graph:
         return node
 
 
-def parse_ir(text) -> Graph:
+def package_directory():
+    """The directory of the imported ms_moe_ops: an IR node's source counts as the package's
+    only there (a clone of the repository is a folder named ms_moe_ops too, tests included)."""
+    import ms_moe_ops
+
+    return os.path.dirname(os.path.realpath(ms_moe_ops.__file__))
+
+
+def parse_ir(text, package=None) -> Graph:
+    """The graph of an IR text; `package`: the package directory sources are kept from (default:
+    the imported package's)."""
     nodes, last = {}, None
-    package = os.sep + "ms_moe_ops" + os.sep
+    package = (package or package_directory()).rstrip(os.sep) + os.sep
     lines = iter(text.splitlines())
     for line in lines:
         found = _NODE.match(line)
@@ -123,8 +133,9 @@ def parse_ir(text) -> Graph:
             last.scope = scope.group(1)
             continue
         source = _SOURCE.match(line)
-        if source and package in source.group(1):
-            last.source = f"{source.group(1).split(package)[-1]}:{source.group(2)}"
+        path = os.path.realpath(source.group(1)) if source else ""
+        if path.startswith(package):
+            last.source = f"{path[len(package):]}:{source.group(2)}"
     return Graph(nodes)
 
 

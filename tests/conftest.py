@@ -385,6 +385,19 @@ def isa(request, monkeypatch):
 # MindSpore's deprecation warnings caused by the package fail the test that caused them (the
 # APIs MindSpore only documents as deprecated are found by tests/test_deprecations.py).
 
+def package_directory():
+    """Where the imported ms_moe_ops really lives (a checkout, an editable install or
+    site-packages): the tests themselves may sit in a folder of the same name (a clone)."""
+    import ms_moe_ops
+
+    return os.path.dirname(os.path.realpath(ms_moe_ops.__file__))
+
+
+def in_directory(path, directory):
+    """Whether the file `path` lies inside `directory` (both compared as real paths)."""
+    return os.path.realpath(path).startswith(directory + os.sep)
+
+
 class _DeprecationsFromThePackage:
     """A handler on MindSpore's logger keeping the deprecation notices raised with a frame of
     ms_moe_ops on the stack."""
@@ -394,13 +407,13 @@ class _DeprecationsFromThePackage:
         import traceback
 
         self.found = []
-        package = os.sep + "ms_moe_ops" + os.sep
+        package = package_directory()
         handler = logging.Handler(logging.WARNING)
 
         def emit(record):
             message = record.getMessage()
             if "deprecated" in message.lower() and any(
-                    package in frame.filename for frame in traceback.extract_stack()):
+                    in_directory(frame.filename, package) for frame in traceback.extract_stack()):
                 self.found.append(message)
 
         handler.emit = emit

@@ -23,7 +23,7 @@ def node(index, prim, args, inputs, output, attrs=""):
 
 
 def graph(*nodes):
-    return parse_ir("# IR entry: @test\n" + "".join(nodes))
+    return parse_ir("# IR entry: @test\n" + "".join(nodes), package="/site/ms_moe_ops")
 
 
 def t(dtype, *shape):

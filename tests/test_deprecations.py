@@ -85,3 +85,31 @@ def test_apis_about_to_change_are_called_so_the_change_keeps_working():
                                  "fill", "dyn_shape", "index_add", "assign", "assign_add"])
 def test_the_check_knows_the_apis_the_package_stopped_using(api):
     assert GOING.search(notice("ops", api)), api
+
+
+def test_the_warning_watch_counts_the_package_files_only(tmp_path, _deprecation_watch):
+    """The watch of tests/conftest.py blames a deprecation notice on the package only when one of
+    the package's own files is on the stack: a clone of the repository is a folder named
+    ms_moe_ops too, and the test files inside it called nn.Adam (MindSpore's own notice) while
+    the check looked for "/ms_moe_ops/" in any path."""
+    from conftest import _DeprecationsFromThePackage
+    from ms_moe_ops._compat import mindspore_logger
+
+    watch = _DeprecationsFromThePackage()
+    logger = mindspore_logger()
+    logger.addHandler(watch.handler)
+
+    def notice_from(filename):
+        code = compile("logger.warning(\"'FusedSparseAdam' is deprecated\")", filename, "exec")
+        exec(code, {"logger": logger})  # pylint: disable=exec-used
+        found, watch.found[:] = list(watch.found), []
+        return found
+
+    try:
+        clone = tmp_path / "ms_moe_ops" / "tests" / "test_train.py"
+        assert notice_from(str(clone)) == [], "a file of a folder named ms_moe_ops was blamed"
+        assert notice_from(os.path.join(PACKAGE, "nn", "moe_layer.py")), \
+            "a notice raised from the package's own file was not caught"
+    finally:
+        logger.removeHandler(watch.handler)
+        _deprecation_watch.found[:] = []  # the session's own watch saw the planted notice too
