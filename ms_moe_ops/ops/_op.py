@@ -48,6 +48,9 @@ ACLNN_SCALARS = {"int": "int64_t", "bool": "bool", "float": "float", "double": "
                  "str": "char*"}
 # a kernel's optional tensor argument this package never passes (always nullptr)
 ABSENT = "absent"
+# an input the kernel takes as a host aclIntArray of its values (C++ extension route only)
+HOST = "host"
+_TENSORS = ("tensor", ABSENT, HOST)
 
 
 @dataclass(frozen=True)
@@ -93,11 +96,11 @@ class AclnnBinding(NamedTuple):
     @property
     def tensors(self):
         """The tensor arguments (present and absent), in the kernel's order."""
-        return tuple(arg for arg, kind in self.args if kind in ("tensor", ABSENT))
+        return tuple(arg for arg, kind in self.args if kind in _TENSORS)
 
     @property
     def scalars(self):
-        return tuple((arg, kind) for arg, kind in self.args if kind not in ("tensor", ABSENT))
+        return tuple((arg, kind) for arg, kind in self.args if kind not in _TENSORS)
 
 
 class TensorInfo(NamedTuple):
@@ -218,11 +221,11 @@ def _check_binding(op, binding):
     crossable types that are attributes or fixed values, and gives a dtype for every input and
     output."""
     kernel, args = binding.kernel, binding.args
-    present = [arg for arg, kind in args if kind == "tensor"]
+    present = [arg for arg, kind in args if kind in ("tensor", HOST)]
     if sorted(present) != sorted(op.inputs):
         raise ValueError(f"{op.name}: the {kernel} binding must pass the inputs {op.inputs} "
                          f"once each, got {tuple(present)}")
-    if [kind in ("tensor", ABSENT) for _, kind in args] != \
+    if [kind in _TENSORS for _, kind in args] != \
             [True] * len(binding.tensors) + [False] * len(binding.scalars):
         raise ValueError(f"{op.name}: the {kernel} binding must list its tensors before its "
                          f"scalars, got {args}")
