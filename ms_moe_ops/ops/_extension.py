@@ -57,17 +57,19 @@ def op_name(binding):
 
 
 def arguments(op, binding):
-    """The operator's arguments, in order: ((name, kind)), kind "tensor", "optional", an
-    attribute's type, or "spec"."""
-    args = [(name, "optional" if name in op.optional else "tensor") for name in op.inputs]
-    args += [(a.name, a.kind) for a in op.attrs]
+    """The operator's arguments, in order: ((name, kind)), kind "spec", an attribute's type,
+    "tensor" or "optional" (the inputs last: MindSpore's generated Python function gives the
+    optional ones a default, and every argument after one must have one too)."""
+    args = [("out_spec", "spec")] + [(a.name, a.kind) for a in op.attrs]
     args += [(name, type(value)) for name, value in binding.fixed]
-    return tuple(args) + (("out_spec", "spec"),)
+    return tuple(args) + tuple((name, "optional" if name in op.optional else "tensor")
+                               for name in op.inputs)
 
 
 def op_yaml(op, binding):
     """MindSpore's op_def YAML of one binding."""
     lines = [f"{op_name(binding)}:", "  args:"]
+    defaults = False
     for name, kind in arguments(op, binding):
         if kind == "spec":
             dtype = "tuple[int]"
@@ -76,7 +78,8 @@ def op_yaml(op, binding):
         else:
             dtype = _ATTR[kind][0]
         lines += [f"    {name}:", f"      dtype: {dtype}"]
-        if kind == "optional":
+        defaults = defaults or kind == "optional"
+        if defaults:  # always passed: the default only keeps the generated signature valid
             lines.append("      default: None")
     lines.append("  returns:")
     for name in op.outputs:
@@ -89,13 +92,19 @@ def _pybind_params(op, binding):
     for name, kind in arguments(op, binding):
         if kind == "spec":
             out.append(f"const std::vector<int64_t> &{name}")
-        elif kind == "tensor":
+        elif kind == "tensor" and name not in _after_optional(op):
             out.append(f"const ms::Tensor &{name}")
-        elif kind == "optional":
+        elif kind in ("tensor", "optional"):
             out.append(f"const std::optional<ms::Tensor> &{name}")
         else:
             out.append(f"{_ATTR[kind][1]} {name}")
     return out
+
+
+def _after_optional(op):
+    """The inputs from the first optional one on (each an std::optional in C++)."""
+    first = min([op.inputs.index(n) for n in op.optional] or [len(op.inputs)])
+    return op.inputs[first:]
 
 
 def _kernel_args(op, binding, graph):
@@ -110,8 +119,9 @@ def _kernel_args(op, binding, graph):
         elif kind == "tensor":
             out.append(f"in[{index[name]}]" if graph else name)
         elif kind == HOST:
+            value = f"*{name}" if name in _after_optional(op) else name
             out.append(f"in[{index[name]}]->GetValueWithCheck<std::vector<int64_t>>()" if graph
-                       else f"moe_ext::HostValues({name})")
+                       else f"moe_ext::HostValues({value})")
         elif kind == "str":
             out.append(f"in[{index[name]}]->GetValueWithCheck<std::string>()" if graph else name)
         else:
@@ -157,7 +167,7 @@ def cpp_source(entries, backend):
                  f"  return ms::pynative::PyboostRunner::Call<{n_out}>({name}_run, "
                  f"{', '.join(names)});", "}"]
         host = [str(names.index(a)) for a, k in binding.args if k == HOST]
-        spec = str(len(names) - 1)
+        spec = "0"
         body.append(f"using {name}_infer = moe_ext::SpecFuncImpl<{', '.join([spec] + host)}>;")
         if ascend:
             call = ", ".join(_kernel_args(op, binding, True) + [f"out[{k}]" for k in range(n_out)])
@@ -281,7 +291,15 @@ def function(op, binding, backend="Ascend", symbol=""):
     return getattr(load(((op, binding, symbol),), backend), op_name(binding))
 
 
-def _out_spec_now(shapes, dtypes):
+def _out_spec_now(shape_of, dtype_of, in_shapes, in_dtypes):
+    """out_spec of a call from the declaration's inference (shape_of/dtype_of: infer_fns)."""
+    shapes, dtypes = shape_of(*in_shapes), dtype_of(*in_dtypes)
+    if not isinstance(dtypes, tuple):
+        shapes, dtypes = (shapes,), (dtypes,)
+    return encode_spec(shapes, dtypes)
+
+
+def encode_spec(shapes, dtypes):
     spec = [len(shapes)]
     for shape, dtype in zip(shapes, dtypes):
         spec += [DTYPE_CODES.index(dtype_name(dtype)), len(shape)] + list(shape)
@@ -290,3 +308,16 @@ def _out_spec_now(shapes, dtypes):
 
 # evaluated in Python while a graph is built (a constant of the graph, as static shapes are)
 out_spec = run_at_compile_time(_out_spec_now)
+
+
+def every_binding():
+    """(op, binding, CPU kernel symbol) of every aclnn binding of the package, once each."""
+    from . import OPERATORS  # pylint: disable=import-outside-toplevel
+
+    found = {}
+    for op in OPERATORS:
+        cpu = next((impl.symbol for impl in op.impls if impl.symbol), "")
+        for impl in op.impls:
+            if impl.binding is not None:
+                found.setdefault(impl.binding, (op, impl.binding, cpu))
+    return tuple(found.values())
