@@ -140,3 +140,36 @@ def test_cpu_extension_runs_the_cpu_kernels_in_pynative_and_compiles_in_graph():
 
     with pytest.raises(RuntimeError, match=r"Unsupported op \[Custom_aclnn_moe_gating_top_k\] on CPU"):
         graph(x)
+
+
+# -- review findings outside the extension ------------------------------------------------------
+
+def test_index_add_indices_are_int64(monkeypatch):
+    # rows * N + index overflows int32 once M * N >= 2^31: the flat indices must be int64
+    from ms_moe_ops.ops import _indexing
+
+    seen = []
+    monkeypatch.setattr(_indexing.mint, "index_add",
+                        lambda target, dim, index, values: seen.append(index.dtype) or target)
+    x = ms.Tensor(np.zeros((3, 5), np.float32))
+    _indexing._index_add_per_row(x, ms.Tensor(np.array([[1], [2], [4]], np.int32)),
+                                 ms.Tensor(np.ones((3, 1), np.float32)))
+    assert seen == [ms.int64]
+
+
+def test_expert_parallel_dispatcher_reads_the_platform_module():
+    # the dry run patches ms_moe_ops.ops._platform; MindSpore's context would say CPU
+    import inspect
+    from ms_moe_ops.parallel import dispatcher
+
+    source = inspect.getsource(dispatcher)
+    assert "get_context" not in source and "_platform.device_target()" in source
+
+
+def test_selftest_prints_a_table_and_passes_on_this_device():
+    import io
+    from ms_moe_ops import selftest
+
+    out = io.StringIO()
+    assert selftest.run(("float32",), ("pynative",), repeat=1, out=out) == 0
+    assert "| moe_gating_top_k | float32 | pynative |" in out.getvalue()

@@ -66,8 +66,9 @@ def stable_order(keys):
 
 def _index_add_per_row(shape_like, index, values):
     n = shape_like.shape[-1]
-    rows = ops.cumsum(ops.ones_like(index[:, :1]), 0) - 1               # [M, 1]: 0, 1, ..
-    flat = (rows * n + index).reshape(-1).astype(ms.int32)
+    rows = ops.cumsum(ops.ones_like(index[:, :1]).astype(ms.int64), 0) - 1  # [M, 1]: 0, 1, ..
+    # int64: rows * n + index passes 2^31 once M * N does (aclnnIndexAdd takes int64 indices)
+    flat = (rows * n + index.astype(ms.int64)).reshape(-1)
     target = ops.zeros_like(shape_like).astype(ms.float32).reshape(-1)
     return mint.index_add(target, 0, flat, values.reshape(-1)).reshape(shape_like.shape)
 

@@ -346,15 +346,17 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         differentiable with respect to x, weight1, bias1, weight2 and bias2; asking for the
         quant path's gradient raises RuntimeError.
 
-    Ascend: on Atlas A2 in GRAPH mode float16 and int8 (float16 output) run aclnnFFNV3 (the
-    expert counts stay on the device), in PyNative mode float16 and int8 run
-    MindSpore's built-in FFN (aclnnFFN, whose expert counts are copied to the host on every
-    call); float32 and bfloat16 (documented for Atlas A2 inference products only), and every
-    dtype on Atlas A3 and Ascend 950 (which have neither kernel), run grouped_matmul and the
-    activation. The Ascend kernels do not check that the counts cover every row (the rows they
-    do not cover are left as they are). int8 with another output_dtype raises
+    Ascend: on Atlas A2 and A3, float16 and int8 (float16 output) run aclnnFFNV3 (the expert
+    counts stay on the device; GRAPH mode through ops.Custom, PyNative through the C++
+    extension), else the seed's aclnnMoeFFN where the installed CANN has it (fastgelu; its counts
+    are copied to the host each call), else MindSpore's built-in FFN (aclnnFFN, host counts too);
+    float32 and bfloat16 (documented for Atlas A2 inference products only), and every dtype on
+    Ascend 950 (no FFN kernel), run grouped_matmul and the activation. The kernels need counts
+    that cover every row (aclnnFFN's CheckExpertTokens rejects a sum != M): a padded batch's
+    rows past the last expert are handed to it and masked out of y. int8 with another output_dtype raises
     NotImplementedError on Ascend. Both FFN kernels are non-deterministic unless MindSpore's
-    deterministic mode is on (`ms.set_context(deterministic="ON")`).
+    deterministic mode is on (`ms.set_deterministic(True)`; `set_context(deterministic=...)` is
+    deprecated in MindSpore 2.10).
     """
     return MOE_FFN(x, expert_tokens, weight1, bias1, weight2, bias2, scale, offset, deq_scale1,
                    deq_scale2, activation=activation, tokens_index_flag=tokens_index_flag,
