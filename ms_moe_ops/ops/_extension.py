@@ -27,6 +27,7 @@ import os
 
 from .._compat import run_at_compile_time
 from ._checks import dtype_name
+from ._library import kernel_library
 from ._op import ABSENT, HOST, AclnnBinding
 
 # out_spec dtype codes: binding.h's DtypeOf reads them in this order
@@ -280,8 +281,6 @@ def load(entries, backend):
     """The loaded extension of `entries` (built on first use, then from the cache)."""
     mod = builder(entries, backend).load()
     if backend == "CPU":
-        from ._library import kernel_library  # pylint: disable=import-outside-toplevel
-
         mod.so_module.set_kernel_library(kernel_library())
     return mod
 
@@ -310,12 +309,10 @@ def encode_spec(shapes, dtypes):
 out_spec = run_at_compile_time(_out_spec_now)
 
 
-def every_binding():
-    """(op, binding, CPU kernel symbol) of every aclnn binding of the package, once each."""
-    from . import OPERATORS  # pylint: disable=import-outside-toplevel
-
+def every_binding(operators):
+    """(op, binding, CPU kernel symbol) of every aclnn binding of `operators`, once each."""
     found = {}
-    for op in OPERATORS:
+    for op in operators:
         cpu = next((impl.symbol for impl in op.impls if impl.symbol), "")
         for impl in op.impls:
             if impl.binding is not None:
