@@ -173,3 +173,109 @@ def test_selftest_prints_a_table_and_passes_on_this_device():
     out = io.StringIO()
     assert selftest.run(("float32",), ("pynative",), repeat=1, out=out) == 0
     assert "| moe_gating_top_k | float32 | pynative |" in out.getvalue()
+
+
+# -- the ops.Custom route: MindSpore's own generator against the stub tree ------------------------
+
+CUSTOM = [(op, b) for op in OPERATORS for impl in op.impls
+          if impl.binding is not None and impl.route == "" for b in (impl.binding,)]
+
+
+def _mindspore_callback(monkeypatch, tmp_path, op, binding, opp):
+    """What a Custom aclnn primitive does when it is built on a device (custom_ops.py,
+    Custom._generate_get_workspace_size_func): its aclnn header's types as MindSpore's own parser
+    reads them from the installed tree (CustomInfoGenerator.get_aclnn_api_types, [] when it finds
+    no header: then the registration's), the callback it generates from them, compiled as
+    _compile_aot does against the tree's include folder."""
+    from mindspore.ops.operations._custom_ops_utils import CustomCodeGenerator, CustomInfoGenerator
+
+    monkeypatch.setenv("ASCEND_OPP_PATH", opp)
+    info = _impls.aclnn_reg_info(op, binding)
+    generator = CustomCodeGenerator()
+    header = CustomInfoGenerator(binding.kernel).get_aclnn_api_types()
+    types = header or generator.get_api_types_by_reg_info(info)
+    source = tmp_path / f"{binding.kernel}_callback.cc"
+    source.write_text(generator.generate_callback_by_types(binding.kernel, info, types))
+    include = os.path.join(os.path.dirname(opp.rstrip(os.sep)), "include")
+    done = subprocess.run(["g++", "-std=c++17", "--shared", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=0",
+                           f"-I{include}", "-o", str(tmp_path / "callback.so"), str(source)],
+                          capture_output=True, text=True, timeout=120)
+    return header, generator.get_api_types_by_reg_info(info), done
+
+
+@pytest.mark.parametrize("op,binding", CUSTOM, ids=[b.kernel for _, b in CUSTOM])
+def test_mindspore_reads_the_stub_header_and_compiles_the_callback(monkeypatch, tmp_path, op,
+                                                                   binding):
+    header, registered, done = _mindspore_callback(monkeypatch, tmp_path, op, binding,
+                                                   os.path.join(STUB, "opp"))
+    assert done.returncode == 0, done.stderr
+    if binding.kernel == "aclnnFFNV3":
+        # MindSpore 2.10 looks for aclnn_ffnv3.h; CANN's file is aclnn_ffn_v3.h: it falls back to
+        # the registration (docs/ascend.md)
+        assert header == []
+    else:
+        assert header[:-2] == registered[:-2]
+
+
+def test_mindspore_reads_a_header_that_disagrees_with_the_registration(monkeypatch, tmp_path):
+    op, binding = next((o, b) for o, b in CUSTOM if b.kernel == "aclnnSwigluGroupQuantGrad")
+    early = tmp_path / "cann"
+    (early / "opp").mkdir(parents=True)
+    include = early / "include"
+    include.mkdir()
+    for entry in os.listdir(os.path.join(STUB, "include")):
+        if entry != "aclnnop":
+            os.symlink(os.path.join(STUB, "include", entry), include / entry)
+    os.symlink(os.path.join(EARLY_950, "aclnnop"), include / "aclnnop")
+    header, registered, _ = _mindspore_callback(monkeypatch, tmp_path, op, binding,
+                                                str(early / "opp"))
+    assert header[:-2] != registered[:-2]
+    assert header[4] == "aclIntArray*" and registered[4] == "aclTensor*"
+
+
+# -- the resolver's extension route, run on CPU -----------------------------------------------------
+
+@pytest.fixture
+def cpu_built_extension(monkeypatch):
+    """The extension route as the resolver builds it, with the extension compiled for CPU: the
+    same generated YAML, inference, registration and argument order; this package's CPU kernels
+    instead of the aclnn ones."""
+    mod = _extension.load(ENTRIES, "CPU")
+    monkeypatch.setattr(_extension, "function",
+                        lambda op, binding, backend="Ascend", symbol="":
+                        getattr(mod, _extension.op_name(binding)))
+    return mod
+
+
+@pytest.mark.slow
+def test_resolver_runs_the_extension_route_in_pynative_and_compiles_it_in_graph(
+        monkeypatch, cpu_built_extension):
+    from ascend_sim import as_on
+    from ms_moe_ops.ops import _op, _platform, moe_ffn, moe_gating_top_k
+    from ms_moe_ops.ops.ffn import MOE_FFN
+
+    rng = np.random.default_rng(1)
+    logits = ms.Tensor(rng.standard_normal((8, 16)).astype(np.float32))
+    x = ms.Tensor((rng.standard_normal((8, 8)) * 0.5).astype(np.float16))
+    counts = ms.Tensor(np.array([3, 0, 5], np.int64))
+    w1 = ms.Tensor((rng.standard_normal((3, 8, 12)) * 0.2).astype(np.float16))
+    w2 = ms.Tensor((rng.standard_normal((3, 12, 8)) * 0.2).astype(np.float16))
+    want_router = GATING_TOP_K.impl("kernel").build(GATING_TOP_K, GATING_TOP_K.resolve(k=2))(
+        (logits, None))
+    want_ffn = MOE_FFN.impl("kernel").build(MOE_FFN, MOE_FFN.resolve())(
+        (x, counts, w1, None, w2, None, None, None, None, None)).asnumpy()
+
+    as_on(monkeypatch, _platform.A2, cann_missing=("aclnnFFNV3",))
+    with _op.record_choices() as log:
+        y, idx, norm = moe_gating_top_k(logits, 2)
+        got_ffn = moe_ffn(x, counts, w1, w2).asnumpy()
+    assert log == [("moe_gating_top_k", "aclnn"), ("moe_ffn", "aclnn")]
+    np.testing.assert_array_equal(y.asnumpy(), want_router[0].asnumpy())
+    np.testing.assert_array_equal(idx.asnumpy(), want_router[1].asnumpy())
+    # x_norm: MindSpore's sigmoid beside the kernel (called with out_flag false), not the kernel's
+    np.testing.assert_allclose(norm.asnumpy(), want_router[2].asnumpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got_ffn, want_ffn)  # aclnnMoeFFN's binding, host counts
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    with pytest.raises(RuntimeError, match=r"Unsupported op \[Custom_aclnn_moe_ffn\] on CPU"):
+        ms.jit(lambda a, c: moe_ffn(a, c, w1, w2))(x, counts)

@@ -305,8 +305,10 @@ def encode_spec(shapes, dtypes):
     return tuple(spec)
 
 
-# evaluated in Python while a graph is built (a constant of the graph, as static shapes are)
-out_spec = run_at_compile_time(_out_spec_now)
+def out_spec(shape_of, dtype_of):
+    """f(input shapes, input dtypes) -> out_spec, run in Python while a graph is built (a constant
+    of the graph, as static shapes are) and at every call in PyNative mode."""
+    return run_at_compile_time(functools.partial(_out_spec_now, shape_of, dtype_of))
 
 
 def every_binding(operators):

@@ -135,15 +135,16 @@ def extension_missing():
 def extension_call(op, binding, attrs, values, fn):
     """f(inputs) calling an extension function: the OpDef's inputs, its attributes and fixed
     values (as the kernel takes them), and the output shapes and dtypes its inference gives."""
-    shape_of, dtype_of = infer_fns(op, attrs, op.inputs, dtype_rows(op, binding.dtypes), binding.kernel)
+    # evaluated in Python while a graph is built (a constant of the graph, as static shapes are)
+    spec_of = _extension.out_spec(*infer_fns(op, attrs, op.inputs,
+                                             dtype_rows(op, binding.dtypes), binding.kernel))
     trailing = tuple(values[n] for n, kind in _extension.arguments(op, binding)
                      if kind not in ("tensor", "optional", "spec"))
 
     def call(inputs):
         shapes = [None if x is None else x.shape for x in inputs]
         dtypes = [None if x is None else x.dtype for x in inputs]
-        spec = _extension.out_spec(shape_of, dtype_of, shapes, dtypes)
-        return fn(spec, *trailing, *inputs)
+        return fn(spec_of(shapes, dtypes), *trailing, *inputs)
 
     return call
 
