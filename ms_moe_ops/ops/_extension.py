@@ -247,8 +247,10 @@ def write_sources(entries, backend, directory):
 
     source = cpp_source(entries, backend)
     yamls = {op_name(b): op_yaml(op, b) for op, b, _ in entries}
-    with open(os.path.join(BINDING_DIR, "binding.h")) as f:
-        shared = f.read()
+    shared = ""
+    for header in ("binding.h", "prototype.h"):
+        with open(os.path.join(BINDING_DIR, header)) as f:
+            shared += f.read()
     digest = hashlib.sha256("\0".join([mindspore.__version__, backend, source, shared] +
                                       sorted(yamls.values())).encode()).hexdigest()[:16]
     module = f"ms_moe_ops_{backend.lower()}_{digest}"
