@@ -149,8 +149,9 @@ def test_index_add_indices_are_int64(monkeypatch):
     from ms_moe_ops.ops import _indexing
 
     seen = []
-    monkeypatch.setattr(_indexing.mint, "index_add",
-                        lambda target, dim, index, values: seen.append(index.dtype) or target)
+    monkeypatch.setattr(_indexing, "_index_add",
+                        lambda: lambda target, dim, index, values, alpha: seen.append(index.dtype)
+                        or target)
     x = ms.Tensor(np.zeros((3, 5), np.float32))
     _indexing._index_add_per_row(x, ms.Tensor(np.array([[1], [2], [4]], np.int32)),
                                  ms.Tensor(np.ones((3, 1), np.float32)))
@@ -276,6 +277,10 @@ def test_resolver_runs_the_extension_route_in_pynative_and_compiles_it_in_graph(
     np.testing.assert_allclose(norm.asnumpy(), want_router[2].asnumpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got_ffn, want_ffn)  # aclnnMoeFFN's binding, host counts
 
+    def step(a, c):
+        return moe_ffn(a, c, w1, w2)
+
     ms.set_context(mode=ms.GRAPH_MODE)
+    # the GRAPH route: our inference (out_spec, the counts value-depend) accepted by the front end
     with pytest.raises(RuntimeError, match=r"Unsupported op \[Custom_aclnn_moe_ffn\] on CPU"):
-        ms.jit(lambda a, c: moe_ffn(a, c, w1, w2))(x, counts)
+        ms.jit(step)(x, counts)
