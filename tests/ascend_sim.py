@@ -29,6 +29,9 @@ def with_cann(monkeypatch, missing=()):
     monkeypatch.setattr(_cann, "kernel_missing", lacks)
     monkeypatch.setattr(_cann, "unavailable", lacks)
     monkeypatch.setattr(_impls, "extension_missing", lambda: "")
+    # what failed to build under another simulated CANN (on CPU: the C++ extension, which is
+    # compiled for Ascend only) is forgotten with it
+    monkeypatch.setattr(_op, "_BROKEN", {})
     _op.choose.cache_clear()
 
 
