@@ -146,6 +146,20 @@ def with_env(name, value, fn):
     return run
 
 
+def in_dtype(dtype, layer, block, torch, x_np, cot_np):
+    """(layer, block, x, cotangent, torch x, torch cotangent) for a step in dtype: float32 as they
+    are; bfloat16 as users train, the layer under AMP O2 and the block `.to(torch.bfloat16)`, on
+    bfloat16 tokens (the cotangent stays float32 here: our objective sums in float32)."""
+    x, cot = Tensor(x_np), Tensor(cot_np)
+    xt, cott = torch.from_numpy(x_np), torch.from_numpy(cot_np)
+    if dtype == "bfloat16":
+        layer = ms.amp.auto_mixed_precision(layer, "O2", dtype=ms.bfloat16)
+        block = block.to(torch.bfloat16)
+        x = Tensor(x_np, ms.bfloat16)
+        xt, cott = xt.to(torch.bfloat16), cott.to(torch.bfloat16)
+    return layer, block, x, cot, xt, cott
+
+
 def torch_step(torch, block, x, cotangent):
     """forward + backward of sum(block(x) * cotangent) -> d/dx (parameter grads accumulate)."""
     def run():
@@ -287,14 +301,9 @@ def main():
     params = {n: p.asnumpy() for n, p in layer.parameters_and_names()}
     x_np = rng.normal(0, 1, (t, h)).astype(np.float32)
     cot_np = rng.normal(0, 1, (t, h)).astype(np.float32)
-    x, cot = Tensor(x_np), Tensor(cot_np)
-    xt, cott = torch.from_numpy(x_np), torch.from_numpy(cot_np)
     bf16 = args.dtype == "bfloat16"
-    if bf16:  # as users train: AMP O2 here, the whole block in bfloat16 there, bfloat16 tokens
-        layer = ms.amp.auto_mixed_precision(layer, "O2", dtype=ms.bfloat16)
-        block = block.to(torch.bfloat16)
-        x = Tensor(x_np, ms.bfloat16)
-        xt, cott = xt.to(torch.bfloat16), cott.to(torch.bfloat16)
+    layer, block, x, cot, xt, cott = in_dtype(args.dtype, layer, block, torch, x_np, cot_np)
+    if bf16:
         x_np = x.astype(ms.float32).asnumpy()
 
     ours = layer(x).astype(ms.float32).asnumpy()

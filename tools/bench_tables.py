@@ -77,11 +77,12 @@ def _times(x):
 
 def scaling_table():
     """MoELayer against DeepseekV3MoE as T and E grow (bench_scaling.py)."""
-    lines = ["| T | E | ms_moe_ops ms | tokens/s | GFLOP/s | DeepseekV3MoE ms | ms_moe_ops is |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | T | E | ms_moe_ops ms | tokens/s | GFLOP/s | DeepseekV3MoE ms | ms_moe_ops is |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in _rows("benchmarks/scaling.csv"):
         ours, tokens = float(r["ours_ms"]), int(r["tokens"])
-        lines.append(f"| {tokens} | {r['experts']} | {ours:.0f} | {tokens / ours * 1e3:.0f} | "
+        lines.append(f"| {r.get('dtype') or 'float32'} | {tokens} | {r['experts']} | {ours:.0f} | "
+                     f"{tokens / ours * 1e3:.0f} | "
                      f"{float(r['gflops']):.0f} | {float(r['torch_ms']):.0f} | "
                      f"{_times(float(r['speedup']))}x faster |")
     return "\n".join(lines)
