@@ -9,6 +9,7 @@ kernels by their entry point, MindSpore's own operators by type), side by side.
 
     python benchmarks/profile_step.py --dtype bfloat16          # oneDNN products against none
     python benchmarks/profile_step.py --dtype float32 --steps 5
+    python benchmarks/profile_step.py --contender "before:PYTHONPATH=../main" --contender after
 """
 import argparse
 import csv
@@ -47,6 +48,9 @@ if a["dtype"] == "bfloat16":
 else:
     x = Tensor(x)
 step = ForwardBackward(layer)
+import ms_moe_ops
+with open(os.path.join(a["out"], "package.txt"), "w") as f:
+    f.write(os.path.dirname(ms_moe_ops.__file__))
 for _ in range(2):
     sync(step(x, cot))
 from mindspore import Profiler
@@ -124,17 +128,22 @@ def main():
     results = {}
     for spec in contenders:
         name, _, settings = spec.partition(":")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         for setting in filter(None, settings.split(",")):
             key, _, value = setting.partition("=")
             env[key] = value
         with tempfile.TemporaryDirectory() as out:
             config = dict(vars(args), out=out)
             config.pop("contender"), config.pop("json")
+            # (run in the scratch directory: the package comes from PYTHONPATH alone, so a
+            # contender may name another checkout, e.g. PYTHONPATH=../main)
             subprocess.run([sys.executable, "-c", _WORKER, HERE, json.dumps(config)], env=env,
-                           check=True, capture_output=True)
+                           check=True, capture_output=True, cwd=out)
             results[name] = per_operator(out, args.steps)
-        print(f"{name}: {sum(results[name].values()):.1f} ms of operators per step", flush=True)
+            with open(os.path.join(out, "package.txt"), encoding="utf-8") as f:
+                package = f.read()
+        print(f"{name} ({package}): {sum(results[name].values()):.1f} ms of operators per step",
+              flush=True)
     print_table(results, args)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
