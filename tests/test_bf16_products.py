@@ -109,3 +109,10 @@ def test_moe_ffn(activation, products, rng):
                                     ab(w2), counts, ab(b2))
     assert_rounded(numpy(y), reference.moe_ffn(x, counts, w1, w2, b1, b2, activation=activation),
                    BF16, err=8 * h * EPS32 * size)
+
+
+def test_info_reports_the_products(products):
+    from ms_moe_ops import info  # pylint: disable=import-outside-toplevel
+
+    lines = [line for line in info.report() if line.startswith("matrix products: ")]
+    assert lines == [f"matrix products: {_products_line()}"], lines
