@@ -256,6 +256,33 @@ def bare_blas(shapes, rng, threads):
     return run
 
 
+def bare_onednn(shapes, rng, dtype):
+    """The given products as single calls of oneDNN's sgemm (float32) or bfloat16 GEMM, MindSpore's
+    libdnnl, the library the kernels call on an AVX-512 CPU; one thread (its threadpool runtime
+    runs a call on the calling thread)."""
+    import ctypes  # pylint: disable=import-outside-toplevel
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(ms.__file__), "lib", "libdnnl.so.3"))
+    bf16 = dtype == "bfloat16"
+    gemm = lib.dnnl_gemm_bf16bf16f32 if bf16 else lib.dnnl_sgemm
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    gemm.argtypes = [ctypes.c_char, ctypes.c_char, i64, i64, i64, ctypes.c_float, ptr, i64, ptr,
+                     i64, ctypes.c_float, ptr, i64]
+    kind = np.uint16 if bf16 else np.float32  # (bfloat16 bit patterns: any values do)
+    operands = []
+    for m, k, n in shapes:
+        m, k, n = int(m), int(k), int(n)
+        a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+        if bf16:
+            a, b = (a.view(np.uint32) >> 16).astype(kind), (b.view(np.uint32) >> 16).astype(kind)
+        operands.append((m, k, n, a, b, np.empty((m, n), np.float32)))
+
+    def run():
+        for m, k, n, a, b, c in operands:
+            gemm(b"N", b"N", m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data, n, 0.0, c.ctypes.data, n)
+    return run
+
+
 def sync(result):
     if isinstance(result, (tuple, list)):
         for r in result:
@@ -340,6 +367,8 @@ def main():
                                   for n in sorted({cores(), 1}, reverse=True)]
     for name in blas_names:
         train.append((name, bare_blas(shapes, rng, int(name.split(", ")[1].split()[0]))))
+    onednn_name = f"bare oneDNN {'bf16 GEMM' if bf16 else 'sgemm'}: the same products, 1 thread"
+    train.append((onednn_name, bare_onednn(shapes, rng, args.dtype)))
     if args.pynative:
         def pynative():
             ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -360,13 +389,16 @@ def main():
     print_table("forward + backward", rows, train_flops, ours_name)
     theirs = rows[theirs_name]
     print(f"\nload average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} at the end")
+    print(f"the layer reaches {rows[onednn_name] / rows[ours_name]:.0%} of the GFLOP/s of its "
+          f"products as bare oneDNN calls on one thread")
     if bf16:
         print(f"goal: forward+backward {theirs / rows[ours_name]:.2f}x transformers in bfloat16 "
               f"(>= 1.5x, 2x wanted)")
         record_goal(args, "layer-transformers-bf16", rows[ours_name] * 1e3, theirs * 1e3, "ms",
                     theirs / rows[ours_name])
         return
-    blas = min(rows[name] for name in blas_names)  # the faster BLAS run is the reference
+    # the faster bare run of the products is the reference (OpenBLAS on 2 threads or 1, oneDNN)
+    blas = min(rows[name] for name in blas_names + [onednn_name])
     print(f"goals: forward+backward {theirs / rows[ours_name]:.2f}x "
           f"transformers (>= 2.0x); {blas / rows[ours_name]:.0%} of the bare-BLAS GFLOP/s (>= 60%)")
     record_goal(args, "layer-transformers", rows[ours_name] * 1e3, theirs * 1e3, "ms",
