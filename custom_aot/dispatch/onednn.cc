@@ -39,7 +39,8 @@ Found look(const char *path) {
   void *lib = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL)
                    : dlopen("libdnnl.so.3", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
   if (lib == nullptr) {
-    f.about = path ? std::string("oneDNN: cannot load ") + path + ": " + dlerror()
+    const char *why = dlerror();
+    f.about = path ? std::string("oneDNN: cannot load ") + path + ": " + (why ? why : "?")
                    : "oneDNN: none in the process (MindSpore's libdnnl.so.3 is not loaded)";
     return f;
   }
