@@ -177,7 +177,9 @@ class MoELayer(SelfCastingCell):
         dtype = hidden.dtype if self.compute_dtype is None else self.compute_dtype
         # the tokens in float32, once: the gradients of their consumers add up in float32 (the
         # CPU backend has no bfloat16 AddN), in one order on every path (Fork)
-        tokens = self.fork(cast(hidden, ms.float32).reshape(-1, width))
+        # (the check above runs before the cast's own dtype check: GRAPH mode runs it when its
+        # value is used)
+        tokens = self.fork(cast(ops.depend(hidden, width), ms.float32).reshape(-1, width))
         # the router sees the sequences ([B, S, H]) for its sequence-wise loss
         weights, expert_idx = self.router(tokens[0].reshape(shape))
         rows, counts, route = self.dispatcher.dispatch(cast(tokens[1], dtype), expert_idx)
