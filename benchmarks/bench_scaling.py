@@ -113,7 +113,7 @@ def main():
     a = ap.parse_args()
     if a.from_csv:
         with open(a.from_csv, newline="", encoding="utf-8") as f:
-            rows = [{k: v if k == "sweep" else float(v) for k, v in r.items()}
+            rows = [{k: v if k in ("sweep", "dtype") else float(v) for k, v in r.items()}
                     for r in csv.DictReader(f)]
         if a.plot:
             plot(rows, a.plot)
