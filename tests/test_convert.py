@@ -364,6 +364,18 @@ def run_command(argv):
     return code, out.getvalue(), err.getvalue()
 
 
+def test_command_names_a_source_that_is_not_there(tmp_path):
+    """A source directory that does not exist, or a file where a directory is read: the one line
+    says so (it once said only what a checkpoint directory holds)."""
+    missing = tmp_path / "nonexistent"
+    code, out, err = run_command([str(missing), str(tmp_path / "dst")])
+    assert code == 1 and out == "" and err.startswith(f"error: {missing} does not exist: "), err
+    (tmp_path / "file").write_text("")
+    code, out, err = run_command([str(tmp_path / "file"), str(tmp_path / "dst")])
+    assert code == 1 and err.startswith(f"error: {tmp_path / 'file'} is a file, not a directory"), err
+    assert not (tmp_path / "dst").exists()
+
+
 def test_command(tmp_path, rng):
     """`python -m ms_moe_ops.convert` (its main, in this process): a progress bar, a summary,
     the way back with --to-transformers, and errors as one line and exit status 1."""

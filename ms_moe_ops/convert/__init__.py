@@ -149,8 +149,9 @@ def convert_checkpoint(src, dst, overwrite=False, progress=False):
     one no rule converts, one the model needs but the checkpoint lacks, an unknown model_type.
     dst must not exist, unless overwrite (a directory, replaced once the new one is complete)."""
     if not os.path.isdir(src):
-        raise ValueError(f"{src}: convert_checkpoint reads a checkpoint directory (config.json "
-                         f"beside the safetensors files)")
+        what = "is a file, not a directory" if os.path.exists(src) else "does not exist"
+        raise ValueError(f"{src} {what}: convert_checkpoint reads a checkpoint directory "
+                         f"(config.json beside the safetensors files)")
     source = TensorFiles(src)
     config = CausalLMConfig.from_transformers(src)
     units, layouts, skipped = _plan_conversion(source, config)
