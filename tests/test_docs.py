@@ -62,7 +62,8 @@ def test_tables_follow_the_data(tmp_path, monkeypatch):
 def test_links_between_documents_resolve():
     broken = []
     for name in ["README.md", "tests/README.md", "benchmarks/README.md", "CHANGELOG.md"] + [
-            os.path.join("docs", d) for d in os.listdir(os.path.join(ROOT, "docs"))]:
+            os.path.join("docs", d) for d in os.listdir(os.path.join(ROOT, "docs"))
+            if d.endswith(".md")]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", _read(name)):
             if not os.path.exists(os.path.join(ROOT, os.path.dirname(name), target)):
                 broken.append(f"{name} -> {target}")

@@ -41,7 +41,7 @@ from ..nn.families import convert_moe_checkpoint
 from ._layout import LAYOUTS, block_prefixes, block_tensors, export_block, export_prefix
 from ._safetensors import DTYPE_BYTES, SafetensorsFile, SafetensorsWriter
 
-__all__ = ["convert_checkpoint", "export_checkpoint", "load_checkpoint", "TensorFiles"]
+__all__ = ["convert_checkpoint", "export_checkpoint", "load_pretrained", "load_checkpoint", "TensorFiles"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
