@@ -21,7 +21,7 @@ from ms_moe_ops import info
 from ms_moe_ops.ops import OPERATORS, _library, _op
 from ms_moe_ops.ops._impls import kernel_library
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
-from conftest import DEVICE, isa_paths, needs_kernels, numpy, tensor
+from conftest import DEVICE, isa_paths, kernels_missing, needs_kernels, numpy, tensor
 
 pytestmark = [pytest.mark.every_isa, pytest.mark.skipif(DEVICE != "CPU", reason="CPU only: "
                                                         "the CPU kernels' instruction sets")]
@@ -64,6 +64,51 @@ def test_unknown_path_is_a_clear_error(value, words, monkeypatch, capfd):
     with pytest.raises(RuntimeError):
         numpy(swiglu_group(tensor(np.ones((2, 4), np.float32)))[0])
     assert f"MS_MOE_OPS_ISA={value} {words}" in capfd.readouterr().err
+
+
+def _built_paths():
+    import ctypes
+
+    if kernels_missing():
+        return []
+    lib = ctypes.CDLL(kernel_library())
+    lib.MsMoeOpsIsaBuilt.restype = ctypes.c_char_p
+    return lib.MsMoeOpsIsaBuilt().decode().split()
+
+
+def _near_misses(paths):
+    """Spellings next to each path's name: every proper prefix ("avx", "avx51"), one letter more,
+    upper case, spaces around; none of them a path's name."""
+    out = set()
+    for p in paths:
+        out.update(p[:i] for i in range(1, len(p)))
+        out.update({p + "x", p + "0", p.upper(), f" {p}", f"{p} ", f"{p},{p}"})
+    return sorted(out - set(paths))
+
+
+@kernels
+@pytest.mark.best_isa_only
+def test_every_accepted_spelling_is_exact(monkeypatch, capfd):
+    """MS_MOE_OPS_ISA takes exactly the name of a path this CPU runs, and nothing near one: a
+    prefix matched as a path ("avx" as avx2, "avx51" as avx512) would run a path nobody asked
+    for. The kernels (which read it at every call) and `info`'s report agree on every spelling."""
+    built, here = _built_paths(), isa_paths()
+    misses = _near_misses(built)
+    assert "avx" in misses and "avx51" in misses or platform.machine() != "x86_64", misses
+    x = tensor(np.ones((2, 4), np.float32))
+    for value in built + misses:
+        monkeypatch.setenv("MS_MOE_OPS_ISA", value)
+        report = "\n".join(line for line in info.report() if "a kernel call takes" in line)
+        if value in here:
+            numpy(swiglu_group(x)[0])
+            assert f"takes {value} (forced by MS_MOE_OPS_ISA)" in report, (value, report)
+            continue
+        with pytest.raises(RuntimeError):
+            numpy(swiglu_group(x)[0])
+        said = capfd.readouterr().err
+        words = "is not a path" if value not in built else "has no"
+        assert f"MS_MOE_OPS_ISA={value}" in said and words in said, (value, said)
+        assert f"none: MS_MOE_OPS_ISA={value} is not a path this CPU runs" in report, (value, report)
 
 
 def unit(values, bits):
