@@ -70,6 +70,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "every_isa: run under every instruction-set path of the CPU "
                                        "kernels (GRAPH-mode cases on the best path only)")
     config.addinivalue_line("markers", "best_isa_only: exempt a test of an every_isa module")
+    config.addinivalue_line("markers", "every_isa_by_default: its cases on the lower "
+                                       "instruction-set paths stay in the default run (a cheap "
+                                       "representative of the slow sweep)")
     config.addinivalue_line("markers", "slow_in_graph: the GRAPH-mode cases of this test are slow "
                                        "(several compilations): they carry the slow marker")
     for name, what in MARKERS.items():
@@ -369,8 +372,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = _params(item)
         lower = params.get("isa", best) != best
-        if lower:  # the sweep over the lower paths: the full run's
-            item.add_marker(pytest.mark.slow)
+        if lower and not item.get_closest_marker("every_isa_by_default"):
+            item.add_marker(pytest.mark.slow)  # the sweep over the lower paths: the full run's
         (drop if lower and params.get("mode") == "graph" else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
