@@ -82,3 +82,24 @@ def test_the_version_is_one_and_has_its_changelog_section():
         sections = re.findall(r"^## (\S+)", f.read(), re.M)
     assert sections and sections[0] == ms_moe_ops.__version__, (
         f"CHANGELOG.md's newest section is {sections[:1]}, the version {ms_moe_ops.__version__}")
+    citation = re.findall(r"^version: *(\S+)$", _read("CITATION.cff"), re.M)
+    assert citation == [ms_moe_ops.__version__], f"CITATION.cff says version {citation}"
+    # and nowhere else: every other place reads it (docs/api/conf.py, the package's metadata)
+    written = [path for path in _text_files() if re.search(
+        r"version_*\s*[:=]\s*['\"]?" + re.escape(ms_moe_ops.__version__), _read(path))]
+    package = ["ms_moe_ops/__init__.py"] if os.path.isdir(os.path.join(ROOT, "ms_moe_ops")) else []
+    assert sorted(written) == sorted(["CITATION.cff", "setup.cfg"] + package), written
+
+
+def _text_files():
+    """The repository's source and documentation files (not CHANGELOG.md, whose sections name
+    every version)."""
+    out = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("build", "runs", "__pycache__")]
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), ROOT)
+            if name.endswith((".py", ".cfg", ".toml", ".cff", ".md", ".rst", ".txt")) and \
+                    path != "CHANGELOG.md" and "egg-info" not in path:
+                out.append(path)
+    return out
