@@ -103,3 +103,23 @@ def _text_files():
                     path != "CHANGELOG.md" and "egg-info" not in path:
                 out.append(path)
     return out
+
+
+def test_the_python_versions_agree():
+    """The README names the Python versions setup.cfg's python_requires allows (MindSpore 2.10's
+    own range), and the package's sources are of the oldest one's grammar."""
+    import ast
+    import configparser
+    from importlib import metadata
+
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    requires = cfg["options"]["python_requires"]
+    assert requires == ">=3.9,<3.13" == metadata.metadata("mindspore")["Requires-Python"].replace(" ", "")
+    assert "with Python 3.9 to 3.12 (MindSpore 2.10's; tested: 3.11)" in " ".join(_read("README.md").split())
+    package = os.path.dirname(os.path.realpath(ms_moe_ops.__file__))
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    ast.parse(f.read(), filename=name, feature_version=(3, 9))
