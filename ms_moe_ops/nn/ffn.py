@@ -142,7 +142,7 @@ class MoeFFN(SelfCastingCell):
         if row_weight is not None:
             checked("MoeFFN", "row_weight", row_weight, ("[M]", "[M, 1]"))
             rows = same_rows("MoeFFN", "row_weight", row_weight, "x", x)  # 0: used, so checked
-            y = (y.astype(ms.float32) * row_weight.reshape(-1, 1 + rows).astype(ms.float32)).astype(dtype)
+            y = (y.astype(ms.float32) * row_weight.astype(ms.float32).reshape(-1, 1 + rows)).astype(dtype)
         return y
 
     def extend_repr(self):

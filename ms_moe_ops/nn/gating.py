@@ -128,7 +128,7 @@ class GatingTopK(SelfCastingCell):
                             f"only the trainable parameters to half precision")
         width = checked("GatingTopK", "hidden_states", hidden_states, TOKENS, self.hidden_size)
         # float32 whatever the input and parameter dtypes and mixed-precision flags
-        h = hidden_states.reshape(-1, width).astype(ms.float32)
+        h = hidden_states.astype(ms.float32).reshape(-1, width)
         sequences = hidden_states.shape[0] if hidden_states.ndim == 3 else 1
         logits = project(h, self.weight.astype(ms.float32))
         weights, expert_idx, scores = moe_gating_top_k(

@@ -176,7 +176,7 @@ class MoELayer(SelfCastingCell):
         dtype = hidden.dtype if self.compute_dtype is None else self.compute_dtype
         # the tokens in float32, once: the gradients of their consumers add up in float32 (the
         # CPU backend has no bfloat16 AddN), in one order on every path (Fork)
-        tokens = self.fork(hidden.reshape(-1, width).astype(ms.float32))
+        tokens = self.fork(hidden.astype(ms.float32).reshape(-1, width))
         # the router sees the sequences ([B, S, H]) for its sequence-wise loss
         weights, expert_idx = self.router(tokens[0].reshape(shape))
         rows, counts, route = self.dispatcher.dispatch(tokens[1].astype(dtype), expert_idx)
