@@ -28,6 +28,11 @@ against (for a cross build; default: the installed package); MS_MOE_OPS_SANITIZE
 builds with those sanitizers, for tools/fuzz_kernels.py (into a build directory of its own: such
 a library only loads into a process that has the sanitizer runtime); MS_MOE_OPS_OPT replaces -O3
 (tools/check_hosts.py builds the cross checks at -O1, in a third of the time).
+
+A build says what it compiles and how far it is (pip hides a build's own output unless -v, so
+the lines go to the terminal pip runs in, see Progress), and a library built from the same
+sources with the same settings is reused rather than rebuilt: a second `pip install -e .` (whose
+build directories are new every time) or a `pip install .` after one takes seconds.
 """
 import glob
 import json
@@ -38,12 +43,17 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 RECORD = "_kernels_build.json"
+# the environment overrides below that change what is built
+BUILD_ENV = ("CXX", "MS_MOE_OPS_MARCH", "MS_MOE_OPS_OPT", "MS_MOE_OPS_SANITIZE", "MS_MOE_OPS_LIBOMP",
+             "MS_MOE_OPS_BLAS_DIR")
 SOURCES = sorted(glob.glob("custom_aot/*.cc"))
 HEADERS = sorted(glob.glob("custom_aot/*.h"))
 # custom_aot/dispatch/*.cc (the choice of path) is compiled once, with the baseline flags.
@@ -182,6 +192,14 @@ def _blas():
     return blas.get_include_dir(), blas.get_lib_dir(), blas.get_library()
 
 
+def _blas_version():
+    try:
+        import scipy_openblas32 as blas
+    except ImportError:  # (MS_MOE_OPS_BLAS_DIR: that directory, recorded with the environment)
+        return None
+    return blas.__version__
+
+
 def _blas_rpath(tc, build_libdir):
     """Where the kernel library looks for the BLAS at run time, first match wins: next to an
     installed package, then (native builds) the site-packages of the environment being installed
@@ -203,6 +221,62 @@ def _dl(tc):
     """The dynamic loader's library on Linux (custom_aot/dispatch/onednn.cc looks for oneDNN in
     the process with dlopen; glibc before 2.34 keeps dlopen in libdl)."""
     return ["-ldl"] if tc.system == "linux" else []
+
+
+# -- what the person waiting sees, and what need not be built again --------------------------------
+
+class Progress:
+    """One line per step of the build ("ms_moe_ops: [ 5/29] 0:41 compiled avx2/ffn.cc").
+
+    pip runs a build backend with its output captured and shows it only with -v (pip 23 to 26),
+    so the lines go to the controlling terminal when there is one (the terminal pip was started
+    from: /dev/tty), else to stderr (CI logs, `pip install -v`)."""
+
+    def __init__(self, stream=None):
+        self.stream = _terminal() if stream is None else stream
+        self.start = time.monotonic()
+        self.lock = threading.Lock()
+        self.done = 0
+
+    def say(self, text):
+        minutes, seconds = divmod(int(time.monotonic() - self.start), 60)
+        with self.lock:  # ("\r": over the spinner pip may have drawn on this line)
+            self.stream.write(f"\rms_moe_ops: {text} ({minutes}:{seconds:02d})\n")
+            self.stream.flush()
+
+    def compiled(self, what, total):
+        with self.lock:
+            self.done += 1
+            step = self.done
+        self.say(f"[{step:{len(str(total))}}/{total}] compiled {what}")
+
+
+def _terminal():
+    if sys.stderr.isatty():
+        return sys.stderr
+    try:
+        return open("/dev/tty", "w")  # pylint: disable=consider-using-with
+    except OSError:  # no controlling terminal (CI), or no such device (Windows)
+        return sys.stderr
+
+
+def reusable(candidates, inputs, settings):
+    """The first of `candidates` (library paths, each with its build record beside it) built from
+    these inputs as they are now (none newer than the library) with these settings, or None."""
+    newest = max(os.path.getmtime(f) for f in inputs)
+    for path in candidates:
+        record = os.path.join(os.path.dirname(path), RECORD)
+        if not (os.path.isfile(path) and os.path.isfile(record)) or os.path.getmtime(path) < newest:
+            continue
+        try:
+            with open(record) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if info.get("built") and info.get("library") == os.path.basename(path) and \
+                info.get("settings") == settings:
+            return path
+    return None
 
 
 # -- the build ------------------------------------------------------------------------------------
@@ -274,11 +348,20 @@ class BuildKernels(build_ext):
         inc, libdir, lib = _blas()
         paths = tc.isa_paths()
         inputs = SOURCES + HEADERS + DISPATCH + [__file__]  # the flags live here
-        record = os.path.join(os.path.dirname(out), RECORD)
-        if not self.force and os.path.exists(out) and os.path.exists(record) and all(
-                os.path.getmtime(f) <= os.path.getmtime(out) for f in inputs):
-            with open(record) as f:
-                return json.load(f)
+        # what else decides the library's bits and its run paths (where the BLAS is found; not
+        # the build-time BLAS directory: pip's isolated build environments are new every time)
+        settings = {"compiler": tc.command, "version": tc.version, "blas": [_blas_version(), lib],
+                    "rpath": [d for d in _blas_rpath(tc, libdir) if d != libdir],
+                    "env": {k: os.environ[k] for k in BUILD_ENV if os.environ.get(k)}}
+        progress = Progress()
+        built = None if self.force else reusable([out, self.inplace_library(out)], inputs, settings)
+        if built:
+            if built != out:
+                self.copy_file(built, out)
+            with open(os.path.join(os.path.dirname(built), RECORD)) as f:
+                info = json.load(f)
+            progress.say(f"the CPU kernels are up to date ({built}): nothing to compile")
+            return info
         omp_compile, omp_link, omp_what = tc.openmp()
         flags = FLAGS + [f"-I{inc}"] + omp_compile + SANITIZE_FLAGS
         if not omp_compile:
@@ -295,9 +378,14 @@ class BuildKernels(build_ext):
             src, obj, job_flags = job
             os.makedirs(os.path.dirname(obj), exist_ok=True)
             run(tc.command + job_flags + ["-c", src, "-o", obj])
+            progress.compiled(os.path.relpath(obj, self.build_temp)[:-2] + ".cc", len(jobs))
             return obj
 
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        threads = os.cpu_count() or 1
+        progress.say(f"compiling the CPU kernels: {len(jobs)} compiles ({len(SOURCES)} sources x "
+                     f"{len(paths)} instruction-set paths: {' '.join(n for n, _ in paths)}; and "
+                     f"the dispatch) on {threads} threads, then one link")
+        with ThreadPoolExecutor(threads) as pool:
             objects = list(pool.map(compile_one, jobs))
         link = tc.command + objects + ["-o", out] + omp_link + SANITIZE_FLAGS[:1]
         if tc.system == "darwin":
@@ -312,11 +400,19 @@ class BuildKernels(build_ext):
         else:
             link += ["-shared", f"-L{libdir}", f"-l{lib}"] + _dl(tc)
         link += [f"-Wl,-rpath,{d}" for d in _blas_rpath(tc, libdir)]
+        progress.say(f"linking {os.path.basename(out)}")
         run(link)
+        progress.say("the CPU kernels are built")
         return {"built": True, "library": os.path.basename(out), "compiler": tc.version,
                 "target": tc.triple, "system": tc.system, "arch": tc.arch,
                 "paths": [name for name, _ in paths], "openmp": omp_what,
-                "sanitize": SANITIZE or None}
+                "sanitize": SANITIZE or None, "settings": settings}
+
+    def inplace_library(self, out):
+        """Where the library goes in the source tree (`pip install -e`, `build_ext --inplace`)."""
+        build_py = self.get_finalized_command("build_py")
+        ext = next(e for e in self.extensions if self.get_ext_fullpath(e.name) == out)
+        return self._get_inplace_equivalent(build_py, ext)[0]
 
     def copy_extensions_to_source(self):
         # the record goes where the library goes (it says why there is none)
@@ -357,5 +453,6 @@ def write_json(path, data):
         f.write("\n")
 
 
-kernels = Extension("ms_moe_ops._kernels", sources=SOURCES, depends=HEADERS, optional=True)
-setup(ext_modules=[kernels], cmdclass={"build_ext": BuildKernels})
+if __name__ == "__main__":  # (pip's build backend runs this file as __main__; tests import it)
+    kernels = Extension("ms_moe_ops._kernels", sources=SOURCES, depends=HEADERS, optional=True)
+    setup(ext_modules=[kernels], cmdclass={"build_ext": BuildKernels})

@@ -372,8 +372,9 @@ def plot_expert_load(loads, path):
         ax.set_ylim(0, 1)
         ax.set_ylabel(f"layer {layer}\nshare of tokens")
     axes[-1, 0].set_xlabel("step")
-    axes[0, 0].set_title(f"share of tokens per expert (perfect balance: each band between two "
-                         f"dashed lines, {1 / experts:.3f})")
+    # (two short lines: one long line ran past both edges of the figure)
+    axes[0, 0].set_title(f"share of tokens per expert\nbalanced: each band between two dashed "
+                         f"lines (1/{experts})", fontsize=10)
     if experts <= 16:
         axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     fig.tight_layout()

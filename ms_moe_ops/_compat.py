@@ -4,6 +4,7 @@ MindSpore 2.10's public API does not cover these; a MindSpore release may change
 Each has a canary in tests/test_compat.py that fails with a message naming what changed, so an
 upgrade breaks this file, visibly, and nothing else.
 """
+import contextlib
 import functools
 
 from mindspore.ops import functional as _F
@@ -98,3 +99,18 @@ def mindspore_logger():
     from mindspore import log  # pylint: disable=import-outside-toplevel
 
     return log._get_logger()  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def unlogged(text):
+    """MindSpore's Python-side log records holding `text` are dropped while inside."""
+    logger = mindspore_logger()
+
+    def keep(record):
+        return text not in record.getMessage()
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)

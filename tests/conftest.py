@@ -4,6 +4,7 @@ finite differences.
 The device comes from MS_MOE_OPS_DEVICE (default CPU), so the suite runs unchanged on an Ascend
 machine: `MS_MOE_OPS_DEVICE=Ascend pytest`.
 """
+import importlib.util
 import linecache
 import os
 import re
@@ -29,6 +30,9 @@ ms.set_context(mode=ms.PYNATIVE_MODE)
 # an entry without a modification time); tests/test_reproducibility.py shows both sides.
 
 _REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the package's sources too where it is installed (site-packages, not the checkout)
+_SOURCES = tuple({_REPOSITORY + os.sep, os.path.dirname(os.path.dirname(os.path.abspath(
+    importlib.util.find_spec("ms_moe_ops").origin))) + os.sep})
 _PINNED = set()
 
 
@@ -41,11 +45,12 @@ def pin_source(path):
 
 
 def pin_sources():
-    """Pins the source of every module of this repository loaded and not pinned yet."""
+    """Pins the source of every module of this repository (and of the package, wherever it is
+    installed) loaded and not pinned yet."""
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
         if (path and path not in _PINNED and path.endswith(".py") and os.path.isabs(path)
-                and path.startswith(_REPOSITORY + os.sep) and os.path.isfile(path)):
+                and path.startswith(_SOURCES) and os.path.isfile(path)):
             pin_source(path)
 
 
@@ -65,6 +70,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "every_isa: run under every instruction-set path of the CPU "
                                        "kernels (GRAPH-mode cases on the best path only)")
     config.addinivalue_line("markers", "best_isa_only: exempt a test of an every_isa module")
+    config.addinivalue_line("markers", "every_isa_by_default: its cases on the lower "
+                                       "instruction-set paths stay in the default run (a cheap "
+                                       "representative of the slow sweep)")
     config.addinivalue_line("markers", "slow_in_graph: the GRAPH-mode cases of this test are slow "
                                        "(several compilations): they carry the slow marker")
     for name, what in MARKERS.items():
@@ -366,8 +374,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = _params(item)
         lower = params.get("isa", best) != best
-        if lower:  # the sweep over the lower paths: the full run's
-            item.add_marker(pytest.mark.slow)
+        if lower and not item.get_closest_marker("every_isa_by_default"):
+            item.add_marker(pytest.mark.slow)  # the sweep over the lower paths: the full run's
         (drop if lower and params.get("mode") == "graph" else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

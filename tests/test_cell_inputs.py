@@ -120,3 +120,43 @@ def test_half_precision_inputs_pass_the_checks(mode):
     ffn = MoeFFN(3, 8, 5, activation="swiglu")
     x, counts = _ffn_args(x_dtype="bfloat16")
     assert run(ffn, x, counts, mode=mode).dtype == ms.bfloat16
+
+
+def _quantised():
+    return quantize_moe_ffn(MoeFFN(3, 8, 5), np.ones((6, 8), np.float32), np.array([2, 0, 4], np.int64))
+
+
+# every Cell with a valid call: (name, factory, the arguments' names, the arguments)
+_CALLS = [
+    ("MoELayer", lambda: MoELayer(**LAYER), ["hidden"], lambda: [_input((2, 3, 64))]),
+    ("GatingTopK", lambda: GatingTopK(64, 16, 4), ["hidden_states"], lambda: [_input((3, 64))]),
+    ("MoeFFN", lambda: MoeFFN(3, 8, 5, activation="swiglu"), ["x", "expert_tokens", "row_weight"],
+     lambda: [*_ffn_args(), _input((6,))]),
+    ("SharedExperts", lambda: SharedExperts(8, 5), ["x"], lambda: [_input((6, 8))]),
+    ("QuantMoeFFN", _quantised, ["x", "expert_tokens"], lambda: list(_ffn_args())),
+]
+
+
+# In GRAPH mode a numpy argument is a constant of the graph, and these Cells cast it to float32
+# (numpy's astype, run while the graph is built) before the check's value is used: numpy's
+# message comes first there.
+_NUMPY_FIRST_IN_GRAPH = {("MoELayer", "hidden"), ("GatingTopK", "hidden_states"),
+                         ("MoeFFN", "row_weight")}
+
+
+@pytest.mark.parametrize("owner,factory,names,arguments,i", [
+    pytest.param(*call, i, id=f"{call[0]}-{name}") for call in _CALLS
+    for i, name in enumerate(call[2])])
+def test_a_numpy_array_is_refused_naming_the_tensor_it_should_be(owner, factory, names, arguments,
+                                                                 i, mode):
+    """Each tensor argument of each Cell, given as a numpy array: the error says a MindSpore Tensor
+    is expected (before: "Cannot interpret 'mindspore.float32' as a data type", from numpy)."""
+    if mode == "graph" and (owner, names[i]) in _NUMPY_FIRST_IN_GRAPH:
+        pytest.skip("GRAPH mode: numpy's cast runs before the check (see _NUMPY_FIRST_IN_GRAPH)")
+    args = arguments()
+    cell = factory()
+    if mode == "pynative":
+        run(cell, *args, mode=mode)  # the call is valid as Tensors
+    args[i] = args[i].asnumpy()
+    _raises(TypeError, f"{owner}: '{names[i]}' must be a MindSpore Tensor, got numpy.ndarray "
+                       f"(wrap it: mindspore.Tensor({names[i]}))", cell, *args, mode=mode)

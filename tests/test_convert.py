@@ -364,6 +364,49 @@ def run_command(argv):
     return code, out.getvalue(), err.getvalue()
 
 
+def test_loading_warns_of_nothing_that_is_in_order(tmp_path, rng):
+    """load_pretrained of a sharded checkpoint: no MindSpore warning that parameters "are not
+    loaded" (each file lacks the others' tensors, and the routing statistics are run-time state,
+    not weights: every load once warned of router.tokens_per_expert and aux_losses). A parameter
+    really missing is still an error."""
+    import logging
+
+    from ms_moe_ops._compat import mindspore_logger
+
+    src = save(hf_model("deepseek_v3", rng), tmp_path / "hf", shards=2)
+    convert_checkpoint(src, tmp_path / "ms")
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    mindspore_logger().addHandler(handler)
+    try:
+        net = load_pretrained(str(tmp_path / "ms"))
+        assert not [m for m in said if "not loaded" in m], said
+        ms_logger_still_warns = mindspore_logger().isEnabledFor(logging.WARNING)
+    finally:
+        mindspore_logger().removeHandler(handler)
+    assert ms_logger_still_warns and not mindspore_logger().filters  # nothing left behind
+    assert (net.model.layers[1].mlp.router.tokens_per_expert.asnumpy() == 0).all()
+    index = json.loads((tmp_path / "ms" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # (each file lacked the others' tensors)
+    config = CausalLMConfig.from_transformers(str(tmp_path / "ms"))
+    deeper = MoECausalLM(config.replace(num_layers=config.num_layers + 1))
+    with pytest.raises(ValueError, match="parameters of the model not in the checkpoint"):
+        load_checkpoint(str(tmp_path / "ms"), deeper)
+
+
+def test_command_names_a_source_that_is_not_there(tmp_path):
+    """A source directory that does not exist, or a file where a directory is read: the one line
+    says so (it once said only what a checkpoint directory holds)."""
+    missing = tmp_path / "nonexistent"
+    code, out, err = run_command([str(missing), str(tmp_path / "dst")])
+    assert code == 1 and out == "" and err.startswith(f"error: {missing} does not exist: "), err
+    (tmp_path / "file").write_text("")
+    code, out, err = run_command([str(tmp_path / "file"), str(tmp_path / "dst")])
+    assert code == 1 and err.startswith(f"error: {tmp_path / 'file'} is a file, not a directory"), err
+    assert not (tmp_path / "dst").exists()
+
+
 def test_command(tmp_path, rng):
     """`python -m ms_moe_ops.convert` (its main, in this process): a progress bar, a summary,
     the way back with --to-transformers, and errors as one line and exit status 1."""

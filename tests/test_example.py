@@ -97,3 +97,40 @@ def test_an_earlier_run_is_not_overwritten(tmp_path):
 def test_validation_interval_draws_a_curve(steps, every):
     assert train_moe.parse_args(["--steps", str(steps)]).eval_every == every
     assert train_moe.parse_args(["--steps", str(steps), "--eval-every", "7"]).eval_every == 7
+
+
+@pytest.mark.parametrize("experts,layers", [(8, 2), (16, 4), (64, 1)])
+def test_plots_keep_every_text_inside_the_figure(experts, layers, tmp_path, monkeypatch):
+    """loss.png and expert_load.png: every title, axis label and legend entry lies inside the
+    image (expert_load.png's one-line title ran past both edges)."""
+    import numpy as np
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    outside = []
+    savefig = Figure.savefig
+
+    def checked(fig, *args, **kwargs):
+        out = savefig(fig, *args, **kwargs)
+        fig.canvas.draw()  # (laid out again at the figure's own dpi, where it is measured)
+        renderer, box = fig.canvas.get_renderer(), fig.bbox
+        texts = [fig._suptitle] if fig._suptitle else []  # pylint: disable=protected-access
+        for ax in fig.axes:
+            texts += [ax.title, ax.xaxis.label, ax.yaxis.label]
+            texts += ax.get_legend().get_texts() if ax.get_legend() else []
+        for text in texts:
+            extent = text.get_window_extent(renderer)
+            if text.get_visible() and text.get_text() and (
+                    extent.x0 < box.x0 - 1 or extent.x1 > box.x1 + 1 or
+                    extent.y0 < box.y0 - 1 or extent.y1 > box.y1 + 1):
+                outside.append((os.path.basename(args[0]), text.get_text()))
+        return out
+
+    monkeypatch.setattr(Figure, "savefig", checked)
+    rng = np.random.default_rng(0)
+    train_moe.plot_losses(list(rng.uniform(1, 4, 300)), [(1, 4.5), (300, 1.2)],
+                          str(tmp_path / "loss.png"))
+    train_moe.plot_expert_load(rng.integers(0, 50, (300, layers, experts)).astype(float),
+                               str(tmp_path / "expert_load.png"))
+    assert (tmp_path / "expert_load.png").exists() and not outside, outside

@@ -2,6 +2,7 @@
 DeepSeek-V3, Qwen2-MoE. Output and gradients (input, router, experts, shared experts) in both
 modes, the training losses against transformers' load_balancing_loss_func, and the checkpoint
 converters on both layouts. Tiny blocks with random weights, nothing downloaded."""
+import dataclasses
 import logging
 import os
 import sys
@@ -11,10 +12,13 @@ import pytest
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
 
-from ms_moe_ops import (MoELayer, convert_moe_checkpoint, moe_config_from_transformers,
+from ms_moe_ops import (MoEConfig, MoELayer, convert_moe_checkpoint, moe_config_from_transformers,
                         reference as ref)
 from ms_moe_ops._compat import mindspore_logger
+from ms_moe_ops.models import CausalLMConfig
+from ms_moe_ops.nn import families
 from conftest import assert_close, kernels_missing, numpy
+from hf_models import hf_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -52,9 +56,9 @@ FAMILIES = {
 }
 
 
-def hf_block(name, rng):
-    """(transformers block with random weights, its configuration)."""
-    block_cls, config_cls, options = FAMILIES[name]
+def hf_block(name, rng, table=None):
+    """(transformers block with random weights, its configuration): FAMILIES[name], or table's."""
+    block_cls, config_cls, options = (table or FAMILIES)[name]
     config = config_cls(**_COMMON, **options)
     block = block_cls(config).float()
     with torch.no_grad():
@@ -78,6 +82,138 @@ def our_layer(block, config, **overrides):
     state += ["router.loss_scaler.loss_scale"] if layer.router.loss_scaler is not None else []
     assert sorted(not_loaded) == sorted(state)
     return layer
+
+
+# -- options: what a family reads, and what the caller overrides -------------------------------
+
+# Each family with every routing option at transformers' own default (only the sizes given; the
+# top_k of DeepseekV2Config defaults to None; 16 experts: DeepSeek-V3's default 8 groups need 2 each)
+DEFAULTS = {
+    "deepseek_v3": (DeepseekV3MoE, transformers.DeepseekV3Config,
+                    dict(moe_intermediate_size=I, n_routed_experts=16)),
+    "deepseek_v2": (DeepseekV2Moe, transformers.DeepseekV2Config,
+                    dict(moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=2)),
+    "qwen3_moe": (Qwen3MoeSparseMoeBlock, transformers.Qwen3MoeConfig,
+                  dict(moe_intermediate_size=I, num_experts=E)),
+    "qwen2_moe": (Qwen2MoeSparseMoeBlock, transformers.Qwen2MoeConfig,
+                  dict(moe_intermediate_size=I, num_experts=E, shared_expert_intermediate_size=10)),
+    "mixtral": (MixtralSparseMoeBlock, transformers.MixtralConfig, dict(num_local_experts=E)),
+}
+
+
+def test_the_defaults_cover_every_family():
+    assert sorted(DEFAULTS) == sorted(families.FAMILIES)
+
+
+def _other(value):
+    """A value of the same kind that differs (what an override sets)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value + 0.25
+    if value is None:
+        return 7
+    return {"sigmoid": "softmax", "softmax": "sigmoid"}.get(value, "gelu")
+
+
+def _read_by(family):
+    """The MoEConfig options `family` reads (from the transformers configuration or constant)."""
+    return sorted({**families._OPTIONS, **families.FAMILIES[family].options})
+
+
+FIELDS = [f.name for f in dataclasses.fields(MoEConfig)]
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_every_option_yields_to_the_callers_override(family):
+    """Each MoEConfig option, those the family reads above all, overridden by the caller, wins
+    over the family's value, in each way of building a family's config: moe_config_from_transformers,
+    CausalLMConfig.from_transformers (load_pretrained passes its options there) and
+    MoEConfig.for_family. (An override of norm_topk_prob or top_k was once lost: the tests only
+    overrode options the family does not read.)"""
+    sizes = dict(hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2)
+    builders = {
+        "moe_config_from_transformers": lambda **o: moe_config_from_transformers(
+            hf_config(family), **o),
+        "CausalLMConfig.from_transformers": lambda **o: CausalLMConfig.from_transformers(
+            hf_config(family), **o).moe,
+        "MoEConfig.for_family": lambda **o: MoEConfig.for_family(family, **{**sizes, **o}),
+    }
+    assert set(_read_by(family)) <= set(FIELDS) and {"top_k", "hidden_size"} <= set(_read_by(family))
+    for how, build in builders.items():
+        base = build()
+        for name in FIELDS:
+            value = _other(getattr(base, name))
+            assert build(**{name: value}) == base.replace(**{name: value}), (how, name, value)
+
+
+# The attributes of each transformers configuration that its MoE block uses (read from
+# transformers' modeling code), as the MoEConfig option each one is: written here, apart from
+# FAMILIES, so that a family which stops reading one (hard-wiring the value all the tests' models
+# share) is seen.
+_COMMON_READS = dict(hidden_size="hidden_size", top_k="num_experts_per_tok")
+_DEEPSEEK_READS = dict(_COMMON_READS, ffn_hidden_size="moe_intermediate_size",
+                       num_experts="n_routed_experts", n_group="n_group", topk_group="topk_group",
+                       routed_scaling_factor="routed_scaling_factor",
+                       n_shared_experts="n_shared_experts")
+_QWEN_READS = dict(_COMMON_READS, ffn_hidden_size="moe_intermediate_size",
+                   num_experts="num_experts", norm_topk_prob="norm_topk_prob")
+TRANSFORMERS_READS = {
+    "deepseek_v3": dict(_DEEPSEEK_READS, norm_topk_prob="norm_topk_prob"),
+    "deepseek_v2": _DEEPSEEK_READS,  # (n_group, topk_group: with group_limited_greedy, as here)
+    "qwen3_moe": _QWEN_READS,
+    "qwen2_moe": dict(_QWEN_READS, shared_ffn_hidden_size="shared_expert_intermediate_size"),
+    "mixtral": dict(_COMMON_READS, ffn_hidden_size="intermediate_size",
+                    num_experts="num_local_experts"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_every_attribute_a_family_uses_is_followed(family):
+    """Each attribute of the transformers configuration that the family's block uses sets its
+    MoEConfig option: changed alone, it changes that option alone (a family that hard-wired a
+    value its models all share in the tests, such as DeepSeek-V3's norm_topk_prob=True, would
+    pass every parity test)."""
+    base = hf_config(family)
+    assert base.topk_method == "group_limited_greedy" if family == "deepseek_v2" else True
+    for name, attribute in TRANSFORMERS_READS[family].items():
+        config = hf_config(family)
+        setattr(config, attribute, _other(getattr(base, attribute)))
+        read = moe_config_from_transformers(config)
+        assert getattr(read, name) == getattr(config, attribute), (name, attribute)
+        assert read == moe_config_from_transformers(base).replace(**{name: getattr(read, name)})
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+def test_for_family_is_the_family_at_transformers_defaults(family):
+    """MoEConfig.for_family(family, sizes) == what moe_config_from_transformers reads from the
+    family's transformers configuration class with those sizes and every other option at its
+    default (FAMILIES' defaults against transformers' own)."""
+    _, config_cls, sizes = DEFAULTS[family]
+    config = config_cls(**_COMMON, **sizes)
+    read = moe_config_from_transformers(config)
+    shared = dict(shared_ffn_hidden_size=read.shared_ffn_hidden_size) if family == "qwen2_moe" else {}
+    assert MoEConfig.for_family(family, hidden_size=read.hidden_size, ffn_hidden_size=read.ffn_hidden_size,
+                                num_experts=read.num_experts, top_k=read.top_k, **shared) == read
+
+
+@pytest.mark.parametrize("family", sorted(DEFAULTS))
+def test_routing_from_transformers_defaults_matches_transformers(family, rng):
+    """The block of each family with every routing option at transformers' default (DeepSeek-V2:
+    greedy, n_group and topk_group None; DeepSeek-V3: 8 groups, top 4, scale 2.5) computes what
+    transformers' block computes, through moe_config_from_transformers and MoEConfig.for_family."""
+    block, config = hf_block(family, rng, DEFAULTS)
+    layer = our_layer(block, config)
+    x = rng.normal(0, 1, (2, 5, H)).astype(np.float32)
+    with torch.no_grad():
+        expected = block(torch.from_numpy(x)).numpy()
+    assert_close(numpy(layer(Tensor(x))), expected)
+    assert layer.config == MoEConfig.for_family(family, **{
+        name: getattr(layer.config, name) for name in ("hidden_size", "ffn_hidden_size",
+                                                       "num_experts", "top_k",
+                                                       "shared_ffn_hidden_size")})
 
 
 # -- output and gradients -------------------------------------------------------------------------

@@ -427,15 +427,32 @@ def test_bias_update_moves_load_toward_balance(rng):
     assert (final[:2] < 0.5).all() and (final[2:] > 0).all(), final
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(score_func="relu"), dict(top_k=0), dict(n_group=3), dict(top_k=5, n_group=4, topk_group=1),
-    dict(n_group=2, topk_group=3),
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(score_func="relu"), "GatingTopK: score_func must be 'sigmoid' or 'softmax', got 'relu'"),
+    (dict(top_k=0), "GatingTopK: top_k must be an int >= 1, got 0"),
+    (dict(n_group=3), "GatingTopK: num_experts=8 is not divisible by n_group=3"),
+    (dict(top_k=10), "GatingTopK: top_k=10 > num_experts=8"),
+    (dict(top_k=5, n_group=4, topk_group=1), "GatingTopK: top_k=5 > the experts of the kept "
+     "groups: topk_group * num_experts / n_group = 1 * 8 / 4 = 2"),
+    (dict(top_k=5, n_group=4, topk_group=2), "GatingTopK: top_k=5 > the experts of the kept "
+     "groups: topk_group * num_experts / n_group = 2 * 8 / 4 = 4"),
+    (dict(n_group=2, topk_group=3), "GatingTopK: topk_group=3 > n_group=2"),
 ])
-def test_cell_bad_config(kwargs):
+def test_cell_bad_config(kwargs, message):
+    """Each condition of the group-limited choice has its own message, naming the values that
+    break it (one message once listed every condition)."""
     args = dict(hidden_size=8, num_experts=8, top_k=2)
     args.update(kwargs)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape(message)):
         GatingTopK(**args)
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=8), dict(top_k=2, n_group=4, topk_group=1),
+                                    dict(top_k=4, n_group=4, topk_group=2),
+                                    dict(n_group=2, topk_group=2),
+                                    dict(n_group=8, top_k=1, group_select_mode=0)])
+def test_cell_config_at_the_bounds(kwargs):
+    GatingTopK(**dict(dict(hidden_size=8, num_experts=8, top_k=2), **kwargs))
 
 
 @pytest.mark.parametrize("kwargs,message", [

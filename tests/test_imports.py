@@ -3,10 +3,12 @@
 import inside a function would hide a cycle from Python until that function runs. Read from the
 source, so it also holds for modules the tests do not import."""
 import ast
+import importlib.util
 import os
 
 PACKAGE = "ms_moe_ops"
-ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), PACKAGE)
+# the imported package's sources (a checkout's, or an installed package's)
+ROOT = os.path.dirname(os.path.realpath(importlib.util.find_spec(PACKAGE).origin))
 # what each part of the package may import from the package: whole models on the Cells, the
 # checkpoint converter on the models' parameter tables
 LAYERS = {"_compat": set(), "reference": set(), "ops": {"_compat", "ops"},

@@ -21,7 +21,8 @@ from ms_moe_ops import info
 from ms_moe_ops.ops import OPERATORS, _library, _op
 from ms_moe_ops.ops._impls import kernel_library
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP
-from conftest import DEVICE, isa_paths, needs_kernels, numpy, tensor
+from cases import CASES, compare, op_input
+from conftest import DEVICE, isa_paths, kernels_missing, needs_kernels, numpy, tensor
 
 pytestmark = [pytest.mark.every_isa, pytest.mark.skipif(DEVICE != "CPU", reason="CPU only: "
                                                         "the CPU kernels' instruction sets")]
@@ -66,6 +67,71 @@ def test_unknown_path_is_a_clear_error(value, words, monkeypatch, capfd):
     assert f"MS_MOE_OPS_ISA={value} {words}" in capfd.readouterr().err
 
 
+@kernels
+@pytest.mark.every_isa_by_default
+def test_every_case_of_every_kernel_on_this_path(isa, monkeypatch):
+    """Each operator's cases (tests/cases.py) on the kernel, against the golden model, on every
+    instruction-set path this CPU runs, in the default run: the paths below the best one were
+    checked only by the slow sweep, where a path's own mistake (the avx2 int8 product's -128
+    correction, a vector store's rounding) hid from the default run. (float32 here; the
+    half-precision stores of every path: test_*_round_half_to_even below.)"""
+    dtype = "float32"
+    monkeypatch.setenv("MS_MOE_OPS_IMPL", "kernel")
+    for name in sorted(CASES):
+        op, inputs, attrs, golden = CASES[name](np.random.default_rng(7), dtype)
+        args = [op_input(a, dtype) for a in inputs]
+        outs = op(*args, **attrs)
+        try:
+            compare(outs if isinstance(outs, tuple) else (outs,), golden, dtype)
+        except AssertionError as error:
+            raise AssertionError(f"{name} on {isa or 'the best path'}: {error}") from None
+
+
+def _built_paths():
+    import ctypes
+
+    if kernels_missing():
+        return []
+    lib = ctypes.CDLL(kernel_library())
+    lib.MsMoeOpsIsaBuilt.restype = ctypes.c_char_p
+    return lib.MsMoeOpsIsaBuilt().decode().split()
+
+
+def _near_misses(paths):
+    """Spellings next to each path's name: every proper prefix ("avx", "avx51"), one letter more,
+    upper case, spaces around; none of them a path's name."""
+    out = set()
+    for p in paths:
+        out.update(p[:i] for i in range(1, len(p)))
+        out.update({p + "x", p + "0", p.upper(), f" {p}", f"{p} ", f"{p},{p}"})
+    return sorted(out - set(paths))
+
+
+@kernels
+@pytest.mark.best_isa_only
+def test_every_accepted_spelling_is_exact(monkeypatch, capfd):
+    """MS_MOE_OPS_ISA takes exactly the name of a path this CPU runs, and nothing near one: a
+    prefix matched as a path ("avx" as avx2, "avx51" as avx512) would run a path nobody asked
+    for. The kernels (which read it at every call) and `info`'s report agree on every spelling."""
+    built, here = _built_paths(), isa_paths()
+    misses = _near_misses(built)
+    assert "avx" in misses and "avx51" in misses or platform.machine() != "x86_64", misses
+    x = tensor(np.ones((2, 4), np.float32))
+    for value in built + misses:
+        monkeypatch.setenv("MS_MOE_OPS_ISA", value)
+        report = "\n".join(line for line in info.report() if "a kernel call takes" in line)
+        if value in here:
+            numpy(swiglu_group(x)[0])
+            assert f"takes {value} (forced by MS_MOE_OPS_ISA)" in report, (value, report)
+            continue
+        with pytest.raises(RuntimeError):
+            numpy(swiglu_group(x)[0])
+        said = capfd.readouterr().err
+        words = "is not a path" if value not in built else "has no"
+        assert f"MS_MOE_OPS_ISA={value}" in said and words in said, (value, said)
+        assert f"none: MS_MOE_OPS_ISA={value} is not a path this CPU runs" in report, (value, report)
+
+
 def unit(values, bits):
     """The spacing of a float with `bits` stored mantissa bits around each finite non-zero value
     (float32's exponent range); 1 elsewhere."""
@@ -95,6 +161,7 @@ def ties(values, dtype):
     return fraction == 0.5
 
 
+@pytest.mark.every_isa_by_default  # (each path has its own vector stores)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_swiglu_stores_round_half_to_even(dtype, rng):
     # gate >= 88 makes sigmoid(gate) exactly 1, so y = gate * up exactly in float32, then rounded
@@ -114,6 +181,7 @@ def test_swiglu_stores_round_half_to_even(dtype, rng):
     np.testing.assert_array_equal(numpy(y_origin), rne(product, dtype))
 
 
+@pytest.mark.every_isa_by_default
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_scalar_conversions_round_half_to_even(dtype, rng):
     # an unpermute with one slot per token: out[t, j] = probs[t] * row[j] in float32 (exact:

@@ -3,7 +3,7 @@ finite differences of the reference, the logging Parameter in both modes, traini
 import numpy as np
 import pytest
 import mindspore as ms
-from mindspore import Tensor, nn
+from mindspore import Tensor, nn, ops
 
 from ms_moe_ops import AuxLossScaler, MoELayer, load_imbalance, reference as ref
 from conftest import assert_close, finite_diff, grad, numpy, run, tensor
@@ -186,3 +186,19 @@ def test_set_loss_scale_reaches_every_router_and_refuses_nonsense():
     x, target = (Tensor(np.ones((3, 8), np.float32)) for _ in range(2))
     step = ExpertParallelTrainStep(loss, nn.SGD(net.trainable_params()), ExpertParallel.single())
     assert np.isfinite(step(x, target).asnumpy()) and scales() == [1.0, 1.0]  # one rank runs too
+
+
+def test_every_loss_of_no_tokens_is_zero(mode):
+    """T = 0 (an empty batch, or a rank that received no token): each loss is 0, not the 0/0 of
+    its mean over the tokens."""
+    from ms_moe_ops.nn.losses import router_z_loss, sequence_aux_loss, switch_aux_loss
+
+    probs = Tensor(np.zeros((0, 4), np.float32))
+    idx = Tensor(np.zeros((0, 2), np.int32))
+
+    def losses(p, i):
+        return (switch_aux_loss(p, ops.zeros(4, ms.float32)), sequence_aux_loss(p, i, 1),
+                router_z_loss(p))
+
+    for value in run(losses, probs, idx, mode=mode):
+        assert numpy(value) == 0, numpy(value)

@@ -243,3 +243,31 @@ def test_workers_start_with_the_callers_interpreter(monkeypatch, tmp_path):
     moved = launch.worker_path(f"/usr/bin{os.pathsep}{bin_dir}")
     assert moved.split(os.pathsep) == [bin_dir, "/usr/bin"]
     assert launch.worker_path(None) == bin_dir
+
+
+@pytest.mark.parametrize("exchange", ["alltoallv", "allreduce"])
+def test_the_experts_take_what_each_exchange_gives(exchange, rng):
+    """Rank 0's layer of a 2-rank group (built in this process, never run across processes): its
+    experts are padded exactly when its exchange pads the rows it receives (AllReduce: n*T*K rows,
+    zeros past the counts), and on such rows they compute what the same experts compute on the
+    received rows alone, zeros past them. (The padded experts of an AllReduce layer were checked
+    only by the 2-process msrun runs.)"""
+    from ms_moe_ops import MoeFFN
+
+    ep = ExpertParallel.__new__(ExpertParallel)
+    ep.group, ep.rank, ep.size, ep.exchange = "hccl_world_group", 0, 2, exchange
+    layer = MoELayer(8, 6, 4, 2, expert_parallel=ep)
+    assert layer.experts.num_experts == 2
+    assert layer.experts.padded == layer.dispatcher.padded == (exchange == "allreduce")
+    if not layer.dispatcher.padded:
+        return
+    tokens, k = 5, 2
+    counts = np.array([4, 3], np.int64)  # of the n*T*K = 20 rows, 7 for this rank's experts
+    rows = np.zeros((2 * tokens * k, 8), np.float32)
+    rows[:7] = rng.normal(size=(7, 8))
+    alone = MoeFFN(layer.experts.config.replace(padded=False))
+    for p, q in zip(layer.experts.get_parameters(), alone.get_parameters()):
+        q.set_data(Tensor(p.asnumpy()))
+    got = numpy(layer.experts(Tensor(rows), Tensor(counts)))
+    np.testing.assert_array_equal(got[:7], numpy(alone(Tensor(rows[:7]), Tensor(counts))))
+    np.testing.assert_array_equal(got[7:], 0)

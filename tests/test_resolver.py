@@ -446,7 +446,9 @@ def test_docs_table_is_the_same_on_a_bare_host():
     # environment names no CANN (no kernel installed, no SoC), it is still the committed one
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND", "MS_MOE_OPS"))}
-    env["PYTHONPATH"] = root
+    # (the package imported here, a checkout's or an installed one: not whatever root holds)
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(
+        _op.__file__))))
     out = subprocess.run([sys.executable, os.path.join(root, "tools", "implementation_table.py"),
                           "--check"], env=env, cwd=root, capture_output=True, text=True,
                          timeout=300)

@@ -34,13 +34,14 @@ import tempfile
 import numpy as np
 import mindspore as ms
 
+from .. import _compat
 from ..models import MoECausalLM
 from ..models.config import CausalLMConfig
 from ..nn.families import convert_moe_checkpoint
 from ._layout import LAYOUTS, block_prefixes, block_tensors, export_block, export_prefix
 from ._safetensors import DTYPE_BYTES, SafetensorsFile, SafetensorsWriter
 
-__all__ = ["convert_checkpoint", "export_checkpoint", "load_checkpoint", "TensorFiles"]
+__all__ = ["convert_checkpoint", "export_checkpoint", "load_pretrained", "load_checkpoint", "TensorFiles"]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -149,8 +150,9 @@ def convert_checkpoint(src, dst, overwrite=False, progress=False):
     one no rule converts, one the model needs but the checkpoint lacks, an unknown model_type.
     dst must not exist, unless overwrite (a directory, replaced once the new one is complete)."""
     if not os.path.isdir(src):
-        raise ValueError(f"{src}: convert_checkpoint reads a checkpoint directory (config.json "
-                         f"beside the safetensors files)")
+        what = "is a file, not a directory" if os.path.exists(src) else "does not exist"
+        raise ValueError(f"{src} {what}: convert_checkpoint reads a checkpoint directory "
+                         f"(config.json beside the safetensors files)")
     source = TensorFiles(src)
     config = CausalLMConfig.from_transformers(src)
     units, layouts, skipped = _plan_conversion(source, config)
@@ -462,7 +464,10 @@ def load_checkpoint(path, net=None):
                          f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for name in files.files:
         params = ms.load_checkpoint(os.path.join(files.dir, name), format="safetensors")
-        ms.load_param_into_net(net, params, strict_load=True)
+        # what a file lacks is in another one or is run-time state (both checked above):
+        # MindSpore's warning that it "is not loaded" would say nothing true
+        with _compat.unlogged("are not loaded"):
+            ms.load_param_into_net(net, params, strict_load=True)
         del params
     return net
 

@@ -7,6 +7,8 @@ only at run time passes the width check, an unknown rank the rank and width chec
 """
 import dataclasses
 
+from mindspore import Tensor
+
 from .. import _compat
 from ..ops._checks import FLOATS, dtype_name, int_arg
 from ..ops._op import _signature
@@ -56,10 +58,22 @@ def _check_now(owner, name, signature, layouts, last, dtypes):
 _check = _compat.run_at_compile_time(_check_now)
 
 
+def _not_a_tensor_now(owner, name, x):
+    kind = type(x)
+    raise TypeError(f"{owner}: '{name}' must be a MindSpore Tensor, got {kind.__module__}."
+                    f"{kind.__qualname__}" + (f" (wrap it: mindspore.Tensor({name}))"
+                                              if hasattr(x, "__array__") else ""))
+
+
+_not_a_tensor = _compat.run_at_compile_time(_not_a_tensor_now)
+
+
 def checked(owner, name, x, layouts, last=None, dtypes=FLOATS):
     """Checks tensor x of Cell `owner` against its layouts (e.g. TOKENS; "{}" stands for `last`),
     its last dimension (None: any) and dtypes; returns `last`. In GRAPH mode the check runs while
     the graph is built, when the value it returns is used: use it (e.g. in a reshape)."""
+    if not isinstance(x, Tensor):  # (a numpy array would fail later, naming MindSpore's dtype)
+        _not_a_tensor(owner, name, x)
     return _check(owner, name, _signature((x,)), layouts, last, dtypes)
 
 
@@ -79,4 +93,6 @@ _same_rows = _compat.run_at_compile_time(_same_rows_now)
 def same_rows(owner, name, x, other, y):
     """Checks that tensor x (argument `name`) has as many rows as y (argument `other`) where both
     are known; returns 0 (in GRAPH mode the check runs when the value is used: use it)."""
+    if not isinstance(x, Tensor):
+        _not_a_tensor(owner, name, x)
     return _same_rows(owner, name, other, _signature((x, y)))

@@ -41,7 +41,10 @@ def _grouped(value):
 #   bias: DeepSeek-V3's selection bias
 #   options: MoEConfig option -> its value: an Attr of the transformers configuration, a
 #       function of that configuration, or a constant (every family also reads _OPTIONS)
-Family = namedtuple("Family", "experts shared shared_gate bias options", defaults=({},))
+#   defaults: the routing attributes of the family's transformers configuration class at their
+#       defaults there (what MoEConfig.for_family reads; tests/test_families.py compares them with
+#       transformers' own), sizes excluded
+Family = namedtuple("Family", "experts shared shared_gate bias options defaults", defaults=({}, {}))
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")
 _OPTIONS = dict(hidden_size=Attr("hidden_size"), top_k=Attr("num_experts_per_tok"))
 _QWEN = dict(ffn_hidden_size=Attr("moe_intermediate_size"), num_experts=Attr("num_experts"),
@@ -51,17 +54,21 @@ FAMILIES = {
         ffn_hidden_size=Attr("moe_intermediate_size"), num_experts=Attr("n_routed_experts"),
         n_group=Attr("n_group"), topk_group=Attr("topk_group"), group_select_mode=1,
         routed_scaling_factor=Attr("routed_scaling_factor"),
-        norm_topk_prob=Attr("norm_topk_prob"), n_shared_experts=Attr("n_shared_experts"))),
+        norm_topk_prob=Attr("norm_topk_prob"), n_shared_experts=Attr("n_shared_experts")),
+        dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+             n_shared_experts=1)),
     # transformers' DeepseekV2 router never renormalises (norm_topk_prob is unused there)
     "deepseek_v2": Family(_SWIGLU, "shared_experts.", None, None, dict(
         ffn_hidden_size=Attr("moe_intermediate_size"), num_experts=Attr("n_routed_experts"),
         score_func="softmax", n_group=_grouped("n_group"), topk_group=_grouped("topk_group"),
         group_select_mode=0, routed_scaling_factor=Attr("routed_scaling_factor"),
-        norm_topk_prob=False, n_shared_experts=Attr("n_shared_experts"))),
-    "qwen3_moe": Family(_SWIGLU, None, None, None, _QWEN),
+        norm_topk_prob=False, n_shared_experts=Attr("n_shared_experts")),
+        dict(topk_method="greedy", n_group=None, topk_group=None, routed_scaling_factor=1.0,
+             n_shared_experts=2)),
+    "qwen3_moe": Family(_SWIGLU, None, None, None, _QWEN, dict(norm_topk_prob=False)),
     "qwen2_moe": Family(_SWIGLU, "shared_expert.", "shared_expert_gate.weight", None, dict(
         _QWEN, n_shared_experts=1, shared_ffn_hidden_size=Attr("shared_expert_intermediate_size"),
-        shared_expert_gate=True)),
+        shared_expert_gate=True), dict(norm_topk_prob=False)),
     "mixtral": Family(("w1", "w3", "w2"), None, None, None, dict(
         ffn_hidden_size=Attr("intermediate_size"), num_experts=Attr("num_local_experts"),
         score_func="softmax")),
@@ -94,6 +101,43 @@ def moe_config_from_transformers(config, **overrides):
     options = {**_OPTIONS, **FAMILIES[kind].options}
     return MoEConfig(**{**{name: _value(option, config) for name, option in options.items()},
                         **overrides})
+
+
+def _for_family(cls, family, **options):
+    """The MoEConfig of a family's MoE block without a transformers configuration: the family's
+    routing as its transformers configuration class has it by default (`FAMILIES[family]`:
+    DeepSeek-V3's sigmoid scores in 8 groups, top 4 groups, scaled by 2.5; DeepSeek-V2's greedy
+    softmax; ...) with your sizes and options, which win over the family's:
+    `MoEConfig.for_family("deepseek_v3", hidden_size=1024, ffn_hidden_size=512, num_experts=64,
+    top_k=8)`. hidden_size, ffn_hidden_size, num_experts and top_k are yours to give; so is
+    shared_ffn_hidden_size (Qwen2-MoE's shared expert width; default ffn_hidden_size). A checkpoint's
+    own config.json may differ from these defaults (Qwen3-30B-A3B sets norm_topk_prob=True):
+    read it with moe_config_from_transformers."""
+    if family not in FAMILIES:
+        raise ValueError(f"MoEConfig.for_family: family must be one of {sorted(FAMILIES)}, got "
+                         f"{family!r}")
+    defaults = FAMILIES[family].defaults
+    config = _Defaults(**defaults)
+    known = {name: option for name, option in {**_OPTIONS, **FAMILIES[family].options}.items()
+             if not isinstance(option, Attr) or option.name in defaults}
+    try:
+        return cls(**{**{name: _value(option, config) for name, option in known.items()},
+                      **options})
+    except TypeError as error:  # sizes missing, an unknown option
+        raise TypeError(f"MoEConfig.for_family({family!r}): "
+                        f"{str(error).replace('MoEConfig.__init__() ', '')}") from None
+
+
+class _Defaults:
+    """A transformers configuration holding only a family's defaults (see _for_family)."""
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
+# (a classmethod of MoEConfig defined beside the families' data: config.py, which this module
+# imports, cannot import it)
+MoEConfig.for_family = classmethod(_for_family)
 
 
 # -- checkpoints ----------------------------------------------------------------------------------

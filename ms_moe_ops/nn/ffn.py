@@ -72,7 +72,7 @@ class MoeFFN(SelfCastingCell):
     `activation` names a kind of experts (EXPERT_KINDS): "fastgelu", "gelu", "relu" or "silu" run
     the fused `moe_ffn` operator; "swiglu" composes grouped_matmul -> swiglu_group ->
     grouped_matmul, with weight1 [E, H, 2F] holding the gate (first F columns) and up (last F
-    columns) projections; clamp_limit > 0 clamps them (gate <= c, |up| <= c) as in GPT-OSS style
+    columns) projections; clamp_limit > 0 clamps them (`gate <= c`, `|up| <= c`) as in GPT-OSS style
     experts. `register_expert_kind` adds kinds.
 
     Parameters: `weight1` [E, H, F] ([E, H, 2F] for swiglu), `weight2` [E, F, H], and when

@@ -23,6 +23,22 @@ _SCORE_FUNCS = {"sigmoid": 1, "softmax": 0}
 _ASSIGN, _ASSIGN_ADD = ops.Assign(), ops.AssignAdd()
 
 
+def _unroutable(num_experts, top_k, n_group, topk_group):
+    """The condition of the group-limited choice that these sizes break, in words ("" if none)."""
+    if num_experts % n_group:
+        return (f"num_experts={num_experts} is not divisible by n_group={n_group} (the experts "
+                f"form n_group groups of the same size)")
+    if topk_group > n_group:
+        return f"topk_group={topk_group} > n_group={n_group} (the groups kept are among n_group)"
+    if n_group == 1 and top_k > num_experts:
+        return f"top_k={top_k} > num_experts={num_experts}"
+    kept = topk_group * (num_experts // n_group)
+    if top_k > kept:
+        return (f"top_k={top_k} > the experts of the kept groups: topk_group * num_experts / "
+                f"n_group = {topk_group} * {num_experts} / {n_group} = {kept}")
+    return ""
+
+
 class GatingTopK(SelfCastingCell):
     """Routes each token to top_k of num_experts experts.
 
@@ -89,13 +105,12 @@ class GatingTopK(SelfCastingCell):
         # these are gathered from its x_norm output (which is differentiable too).
         self.gather_unnormalised = self.norm_type == 1 and not self.norm_topk_prob
         # Validate the configuration now rather than at the first call.
+        unroutable = _unroutable(num_experts, top_k, n_group, topk_group)
+        if unroutable:
+            raise ValueError(f"GatingTopK: {unroutable}")
         attrs = GATING_TOP_K.resolve(k=top_k, k_group=topk_group, group_count=n_group,
                                      group_select_mode=self.group_select_mode,
                                      norm_type=self.norm_type)
-        if num_experts % n_group or top_k > topk_group * (num_experts // n_group):
-            raise ValueError(f"GatingTopK: need num_experts % n_group == 0 and top_k <= topk_group * "
-                             f"num_experts / n_group, got num_experts={num_experts}, "
-                             f"n_group={n_group}, topk_group={topk_group}, top_k={top_k}")
         try:  # the operator's own contract for this expert count (N = num_experts)
             GATING_TOP_K.infer(attrs, [-1, num_experts], [num_experts])
         except ValueError as error:

@@ -89,6 +89,7 @@ class MoELayer(SelfCastingCell):
     The families of transformers, as options (`moe_config_from_transformers` reads them from a
     model configuration, `FAMILIES` in `ms_moe_ops.nn.families` lists them; the converters there
     load their checkpoints):
+
     - DeepSeek-V3: the defaults, with n_group/topk_group (group_select_mode=1), routed_scaling_factor
       and n_shared_experts.
     - DeepSeek-V2: score_func="softmax", norm_topk_prob=False, group_select_mode=0 (group max),

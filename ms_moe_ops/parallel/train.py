@@ -42,6 +42,7 @@ class ExpertParallelGradReducer(nn.Cell):
       gradient on all ranks' tokens together with a mean loss.
     - "sum": the gradient of the sum of the ranks' losses (losses that are sums over tokens, or
       already divided by n).
+
     A loss scale (TrainOneStepCell's sens) multiplies every rank's loss alike, so it passes
     through unchanged either way.
 
