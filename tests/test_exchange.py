@@ -36,21 +36,25 @@ class _World:
 
 
 class _Collective(nn.Cell):
-    """AlltoAllV as rank r sees it in a world: returns `out` whatever it is sent."""
+    """AlltoAllV as rank r sees it in a world: returns `out` whatever it is sent, which must be
+    `sent` elements (None: any) (a reshape to that size fails otherwise)."""
 
-    def __init__(self, out):
+    def __init__(self, out, sent=None):
         super().__init__()
         self.out = Tensor(out)
+        self.sent = sent
 
     def construct(self, flat, send, receive):
-        return self.out
+        if self.sent is not None:
+            flat = flat.reshape((self.sent,))
+        return self.out + 0 * flat.sum()
 
 
 class _Exchange(AlltoAllVExchange):
-    def __init__(self, rank, out):  # no process group: the collective is the stand-in
+    def __init__(self, rank, out, sent=None):  # no process group: the collective is the stand-in
         SelfCastingCell.__init__(self)
         self.rank, self.hidden_size = rank, H
-        self.all_to_all = _Collective(out)
+        self.all_to_all = _Collective(out, sent)
 
 
 # rank 2 receives nothing (and sends nothing), rank 0 sends only to itself
@@ -61,9 +65,11 @@ WORLDS = [[[2, 0, 0], [1, 3, 0], [0, 0, 0]], [[0, 0], [4, 0]], [[1, 2], [3, 1]]]
 def test_dispatch_gives_each_rank_what_was_sent_to_it(send, mode, rng):
     world = _World(send, rng)
     for r in range(len(send)):
-        exchange = _Exchange(r, world.received(r))
+        exchange = _Exchange(r, world.received(r), int(world.send[r].sum()) * H)
         fn = lambda x, s: exchange.dispatch(x, exchange.plan(s, x.shape[0]))  # noqa: E731
-        got = numpy(run(fn, Tensor(world.rows[r]), Tensor(world.send), mode=mode))
+        # a row past those sent (a pair dropped at a capacity) is not sent
+        extra = np.concatenate([world.rows[r], np.full((1, H), 9.0, np.float32)])
+        got = numpy(run(fn, Tensor(extra), Tensor(world.send), mode=mode))
         expected = np.concatenate([world.chunk(s, r) for s in range(len(send))]).reshape(-1, H)
         np.testing.assert_array_equal(got, expected)
         assert got.shape == (int(world.send[:, r].sum()), H)
@@ -77,15 +83,18 @@ def test_combine_gives_each_rank_its_own_rows_back(send, mode, rng):
         own = world.rows[r].reshape(-1) if world.rows[r].size else np.zeros((), np.float32)
         exchange = _Exchange(r, own)
         received = np.zeros((int(world.send[:, r].sum()), H), np.float32)
-        fn = lambda y, s: exchange.combine(y, exchange.plan(s, 0))  # noqa: E731
+        m = len(world.rows[r]) + 2  # two rows past those sent (pairs dropped at a capacity)
+        fn = lambda y, s: exchange.combine(y, exchange.plan(s, m))  # noqa: E731
         got = numpy(run(fn, Tensor(received), Tensor(world.send), mode=mode))
-        np.testing.assert_array_equal(got, world.rows[r].reshape(-1, H))
+        np.testing.assert_array_equal(got[:m - 2], world.rows[r].reshape(-1, H))
+        np.testing.assert_array_equal(got[m - 2:], 0)
 
 
 def test_the_plan_is_this_ranks_row_and_column(rng):
     send = np.array([[1, 2, 0], [3, 0, 4], [0, 5, 6]], np.int64)
-    sent, received = _Exchange(1, np.zeros(())).plan(Tensor(send), 7)
+    sent, received, m = _Exchange(1, np.zeros(())).plan(Tensor(send), 7)
     assert sent.asnumpy().tolist() == [3, 0, 4] and received.asnumpy().tolist() == [2, 0, 5]
+    assert m == 7
 
 
 # -- the AllReduce pair: every rank sends M rows in all (send rows sum to M) ------------------------

@@ -12,32 +12,84 @@ given. Attributes: `local_experts` (E_here), `padded` (rows past sum(counts) are
 experts must allow: MoeFFN(padded=True)) and `count_group` (the communication group over which
 the router counts tokens; None: this process).
 
+With an expert capacity (ms_moe_ops.nn.capacity) the expert_idx given to dispatch marks the
+dropped pairs with the sentinel expert E: they get no expert's row, and their weight is 0. With
+`pad_to_capacity` every expert gets exactly `capacity.rows_per_expert(T)` rows (the pairs it kept,
+then zero rows): the rows, the counts and everything between have static shapes.
+
 `LocalDispatcher` keeps every expert in this process. The expert-parallel dispatcher
 (`ms_moe_ops.parallel.ExpertDispatcher`, made by `ExpertParallel.dispatcher`) wraps a
 LocalDispatcher around an exchange between ranks, so both paths share these steps and numerics.
 """
+import mindspore as ms
+from mindspore import ops
+
 from ..ops import moe_token_permute, moe_token_unpermute
+from ..ops import _platform
+from ..ops._indexing import count, inverse_index, take_rows
 from ._precision import SelfCastingCell
+from .capacity import padded_rows_index
 
 __all__ = ["LocalDispatcher"]
 
 
 class LocalDispatcher(SelfCastingCell):
     """All num_experts experts in this process: dispatch is moe_token_permute (route: the
-    sorted_index), combine moe_token_unpermute with the routing weights. A SelfCastingCell: mixed
-    precision (which O2 applies to every Cell of a network) must not cast the float32 routing
-    weights it combines with."""
+    sorted_index), combine moe_token_unpermute with the routing weights. With `capacity` (an
+    ExpertCapacity) the dropped pairs (expert E) are permuted past every expert's rows (padding,
+    `padded`), or with pad_to_capacity each expert's pairs are gathered into its `rows` rows
+    (route: each pair's row). A SelfCastingCell: mixed precision (which O2 applies to every Cell
+    of a network) must not cast the float32 routing weights it combines with."""
 
-    def __init__(self, num_experts):
+    def __init__(self, num_experts, capacity=None):
         super().__init__()
         self.num_experts = num_experts
         self.local_experts = num_experts
-        self.padded = False
+        self.capacity = capacity
+        self.pad = capacity is not None and capacity.pad_to_capacity
+        # the dropped pairs' rows follow the experts' (all but with pad_to_capacity)
+        self.padded = capacity is not None and not self.pad
         self.count_group = None
+        self.widen_bfloat16 = _platform.device_target() != "Ascend"
 
     def dispatch(self, x, expert_idx):
-        rows, sorted_index, counts = moe_token_permute(x, expert_idx, self.num_experts)
-        return rows, counts, sorted_index
+        if self.pad:
+            return self._dispatch_padded(x, expert_idx)
+        if self.capacity is None:
+            rows, sorted_index, counts = moe_token_permute(x, expert_idx, self.num_experts)
+            return rows, counts, sorted_index
+        rows, sorted_index, counts = moe_token_permute(x, expert_idx, self.num_experts + 1)
+        return rows, counts[:self.num_experts], sorted_index
 
     def combine(self, y, weights, route):
+        if self.pad:
+            # each pair's row (a zero row for the dropped ones), then the weighted sum per token
+            pairs = take_rows(_with_zero_row(self._carried(y)), route).astype(y.dtype)
+            return moe_token_unpermute(pairs, ops.arange(pairs.shape[0], dtype=ms.int32), weights)
         return moe_token_unpermute(y, route, weights)
+
+    def _dispatch_padded(self, x, expert_idx):
+        """[E*C, H] rows, expert e's at [e*C, (e+1)*C): its pairs in token order, then zero rows;
+        counts C each; route: each pair's row (E*C for a dropped pair)."""
+        tokens, k = expert_idx.shape
+        rows = self.capacity.rows_per_expert(tokens)
+        flat = expert_idx.reshape(-1)
+        row_of_pair = padded_rows_index(flat, self.num_experts, rows)
+        pair_of_row = inverse_index(row_of_pair, self.num_experts * rows)
+        # row e*C + s holds a pair when s < the pairs expert e kept, else zeros (row T of x)
+        kept = count(flat, self.num_experts + 1)[:self.num_experts]
+        row = ops.arange(self.num_experts * rows, dtype=ms.int64)
+        filled = row % rows < take_rows(kept, row // rows)
+        token = ops.where(filled, pair_of_row // k, ops.full_like(pair_of_row, tokens))
+        out = take_rows(_with_zero_row(self._carried(x)), token).astype(x.dtype)
+        return out, ops.full((self.num_experts,), rows, dtype=ms.int64), row_of_pair
+
+    def _carried(self, rows):
+        """bfloat16 rows through float32 off Ascend (exact): the CPU has no bfloat16 Gather."""
+        if self.widen_bfloat16 and rows.dtype == ms.bfloat16:
+            return rows.astype(ms.float32)
+        return rows
+
+
+def _with_zero_row(rows):
+    return ops.concat((rows, ops.zeros((1, rows.shape[1]), dtype=rows.dtype)))
