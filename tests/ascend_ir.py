@@ -185,3 +185,23 @@ def literal(arg):
     if kind == "Bool":
         return value in ("1", "true", "True")
     return float(value) if kind.startswith("F") else int(value)
+
+
+# -- static shapes: every dimension known when the graph is compiled --------------------------
+
+_TENSOR_SHAPE = re.compile(r"Tensor\[\w+\]\]?, \(([-\d, ]*)\)")
+_TUPLE_SHAPE = re.compile(r"TupleShape\(((?:[^()]|\([-\d, ]*\))*)\)")
+
+
+def dynamic_dimensions(text):
+    """The lines of an IR text whose tensor types (a parameter's, a node's inputs' or output's,
+    a tuple's elements) have a dimension or rank known only at run time (-1, -2): [] for a graph
+    with static shapes."""
+    found = []
+    for line in text.splitlines():
+        shapes = _TENSOR_SHAPE.findall(line)
+        for inner in _TUPLE_SHAPE.findall(line):
+            shapes += re.findall(r"\(([-\d, ]*)\)", inner)
+        if any(int(d) < 0 for shape in shapes for d in shape.split(",") if d.strip()):
+            found.append(line.strip())
+    return found

@@ -12,12 +12,13 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 
+from .. import _compat
 from ..ops._indexing import count, inverse_permutation, stable_order, take_rows
 from ._checks import config_of, int_arg
 from ._precision import SelfCastingCell
 from .config import CapacityConfig
 
-__all__ = ["ExpertCapacity", "DROP_POLICIES", "expert_capacity", "check_options"]
+__all__ = ["ExpertCapacity", "DROP_POLICIES", "expert_capacity", "padded_rows", "check_options"]
 
 DROP_POLICIES = ("probs", "position")
 _ASSIGN_ADD = ops.AssignAdd()
@@ -25,8 +26,22 @@ _ASSIGN_ADD = ops.AssignAdd()
 
 def expert_capacity(tokens, top_k, num_experts, capacity_factor):
     """Megatron-Core's capacity of one expert for `tokens` tokens: ceil(T * K / E * factor),
-    computed as Megatron's get_capacity does (T*K / E in floating point, times the factor)."""
-    return math.ceil((tokens * top_k / num_experts) * capacity_factor)
+    computed as Megatron's get_capacity does (T*K / E in float64, times the factor). An int; in
+    a GRAPH-mode graph where T is known only at run time, an int64 tensor (the same float64
+    arithmetic, in the graph)."""
+    if _compat.is_constant(tokens):
+        return math.ceil((tokens * top_k / num_experts) * capacity_factor)
+    pairs = ops.scalar_to_tensor(tokens * top_k, ms.float64)
+    return ops.ceil(pairs / num_experts * capacity_factor).astype(ms.int64)
+
+
+def padded_rows(tokens, top_k, num_experts, capacity_factor):
+    """The rows of each expert with pad_to_capacity: min(capacity, T) (a token takes an expert
+    at most once, so no expert is routed more than T pairs)."""
+    capacity = expert_capacity(tokens, top_k, num_experts, capacity_factor)
+    if _compat.is_constant(tokens):
+        return min(capacity, tokens)
+    return ops.minimum(capacity, ops.scalar_to_tensor(tokens, ms.int64))
 
 
 def check_options(config):
@@ -89,9 +104,8 @@ class ExpertCapacity(SelfCastingCell):
         return expert_capacity(tokens, self.top_k, self.num_experts, self.capacity_factor)
 
     def rows_per_expert(self, tokens):
-        """The rows of each expert with pad_to_capacity: min(capacity, T) (a token takes an expert
-        at most once, so no expert is routed more than T pairs)."""
-        return min(self.capacity(tokens), tokens)
+        """The rows of each expert with pad_to_capacity (padded_rows)."""
+        return padded_rows(tokens, self.top_k, self.num_experts, self.capacity_factor)
 
     def construct(self, weights, expert_idx):
         tokens, k = expert_idx.shape
@@ -162,4 +176,4 @@ def padded_rows_index(flat_idx, num_experts, rows):
     its pairs in token order), E*rows for the pairs of the sentinel expert E (dropped)."""
     slot = slots(flat_idx, num_experts)
     row = flat_idx.astype(ms.int64) * rows + slot
-    return ops.where(flat_idx < num_experts, row, ops.full_like(row, num_experts * rows))
+    return ops.where(flat_idx < num_experts, row, ops.zeros_like(row) + num_experts * rows)

@@ -12,10 +12,11 @@ given. Attributes: `local_experts` (E_here), `padded` (rows past sum(counts) are
 experts must allow: MoeFFN(padded=True)) and `count_group` (the communication group over which
 the router counts tokens; None: this process).
 
-With an expert capacity (ms_moe_ops.nn.capacity) the expert_idx given to dispatch marks the
-dropped pairs with the sentinel expert E: they get no expert's row, and their weight is 0. With
-`pad_to_capacity` every expert gets exactly `capacity.rows_per_expert(T)` rows (the pairs it kept,
-then zero rows): the rows, the counts and everything between have static shapes.
+With an expert capacity (ms_moe_ops.nn.capacity; the dispatchers take the layer's
+ExpertCapacity, or None) the expert_idx given to dispatch marks the dropped pairs with the
+sentinel expert E: they get no expert's row, and their weight is 0. With `pad_to_capacity` every
+expert gets exactly `padded_rows(T, ...)` rows (the pairs it kept, then zero rows): the rows, the
+counts and everything between have static shapes.
 
 `LocalDispatcher` keeps every expert in this process. The expert-parallel dispatcher
 (`ms_moe_ops.parallel.ExpertDispatcher`, made by `ExpertParallel.dispatcher`) wraps a
@@ -26,9 +27,9 @@ from mindspore import ops
 
 from ..ops import moe_token_permute, moe_token_unpermute
 from ..ops import _platform
-from ..ops._indexing import count, inverse_index, take_rows
+from ..ops._indexing import count, take_rows
 from ._precision import SelfCastingCell
-from .capacity import padded_rows_index
+from .capacity import padded_rows, padded_rows_index
 
 __all__ = ["LocalDispatcher"]
 
@@ -45,8 +46,9 @@ class LocalDispatcher(SelfCastingCell):
         super().__init__()
         self.num_experts = num_experts
         self.local_experts = num_experts
-        self.capacity = capacity
         self.pad = capacity is not None and capacity.pad_to_capacity
+        # what the padded layout needs of the capacity (its Cell belongs to the layer)
+        self.capacity_of = None if capacity is None else (capacity.top_k, capacity.capacity_factor)
         # the dropped pairs' rows follow the experts' (all but with pad_to_capacity)
         self.padded = capacity is not None and not self.pad
         self.count_group = None
@@ -55,7 +57,7 @@ class LocalDispatcher(SelfCastingCell):
     def dispatch(self, x, expert_idx):
         if self.pad:
             return self._dispatch_padded(x, expert_idx)
-        if self.capacity is None:
+        if self.capacity_of is None:
             rows, sorted_index, counts = moe_token_permute(x, expert_idx, self.num_experts)
             return rows, counts, sorted_index
         rows, sorted_index, counts = moe_token_permute(x, expert_idx, self.num_experts + 1)
@@ -72,17 +74,21 @@ class LocalDispatcher(SelfCastingCell):
         """[E*C, H] rows, expert e's at [e*C, (e+1)*C): its pairs in token order, then zero rows;
         counts C each; route: each pair's row (E*C for a dropped pair)."""
         tokens, k = expert_idx.shape
-        rows = self.capacity.rows_per_expert(tokens)
+        top_k, factor = self.capacity_of
+        rows = padded_rows(tokens, top_k, self.num_experts, factor)
         flat = expert_idx.reshape(-1)
         row_of_pair = padded_rows_index(flat, self.num_experts, rows)
-        pair_of_row = inverse_index(row_of_pair, self.num_experts * rows)
-        # row e*C + s holds a pair when s < the pairs expert e kept, else zeros (row T of x)
+        # row e*C + s holds a pair when s < the pairs expert e kept, else zeros (row T of x): the
+        # pair whose row it is, found in the pairs sorted by row
         kept = count(flat, self.num_experts + 1)[:self.num_experts]
         row = ops.arange(self.num_experts * rows, dtype=ms.int64)
         filled = row % rows < take_rows(kept, row // rows)
-        token = ops.where(filled, pair_of_row // k, ops.full_like(pair_of_row, tokens))
+        ordered, pair = ops.sort(row_of_pair.astype(ms.int32))
+        at = ops.minimum(ops.searchsorted(ordered, row.astype(ms.int32)), tokens * k - 1)
+        token = ops.where(filled, take_rows(pair, at).astype(ms.int64) // k,
+                          ops.zeros_like(row) + tokens)
         out = take_rows(_with_zero_row(self._carried(x)), token).astype(x.dtype)
-        return out, ops.full((self.num_experts,), rows, dtype=ms.int64), row_of_pair
+        return out, ops.zeros((self.num_experts,), ms.int64) + rows, row_of_pair
 
     def _carried(self, rows):
         """bfloat16 rows through float32 off Ascend (exact): the CPU has no bfloat16 Gather."""
