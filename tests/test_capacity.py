@@ -192,6 +192,26 @@ def test_half_precision(dtype):
     assert ref_x is not None
 
 
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("shape", [(0, H), (2, 0, H), (1, H)], ids=["no tokens", "empty sequences",
+                                                                      "one token"])
+def test_edge_sizes(shape, pad):
+    """No tokens: an empty output and zero gradients; one token: a capacity of at least one,
+    nothing dropped (as Megatron: ceil of a positive number)."""
+    options = CASES["top-2 sigmoid biases ties"]
+    layer, w = _layer(options, pad_to_capacity=pad)
+    x = np.random.default_rng(4).normal(0, 1, shape)
+    got = numpy(layer(Tensor(x.astype(np.float32))))
+    assert got.shape == shape
+    if x.size:
+        expected, keep = _model(options, w, x.reshape(-1, H), "probs")
+        assert keep.all()
+        assert_close(got.reshape(-1, H), expected, rtol=1e-5, atol=1e-5)
+    dx = ms.grad(_Loss(layer))(Tensor(x.astype(np.float32)), Tensor(np.ones(shape, np.float32)))
+    assert dx.shape == shape
+    assert dropped_fraction(layer) == [0.0]
+
+
 # -- transformers' Switch MoE ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["pynative", pytest.param("graph", marks=pytest.mark.slow)])

@@ -13,7 +13,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 
 from .. import _compat
-from ..ops._indexing import count, inverse_permutation, stable_order, take_rows
+from ..ops._indexing import count, inverse_permutation, take_rows
 from ._checks import config_of, int_arg
 from ._precision import SelfCastingCell
 from .config import CapacityConfig
@@ -165,7 +165,9 @@ def slots(flat_idx, num_experts, weights=None):
         ordered, _ = ops.sort(w)
         greater = n - ops.searchsorted(ordered, w, right=True)  # pairs with a higher weight
         key = key * n + greater
-    place = inverse_permutation(stable_order(key)).astype(ms.int64)
+    # a stable sort: equal keys in position order (an arange, not a cumsum: no tokens works)
+    _, order = ops.sort(key * n + ops.arange(n, dtype=ms.int64))
+    place = inverse_permutation(order).astype(ms.int64)
     counts = count(flat_idx, num_experts + 1)
     first = ops.cumsum(counts, 0) - counts
     return place - take_rows(first, flat_idx)

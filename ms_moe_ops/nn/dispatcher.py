@@ -26,6 +26,7 @@ import mindspore as ms
 from mindspore import ops
 
 from ..ops import moe_token_permute, moe_token_unpermute
+from .. import _compat
 from ..ops import _platform
 from ..ops._indexing import count, take_rows
 from ._precision import SelfCastingCell
@@ -66,7 +67,8 @@ class LocalDispatcher(SelfCastingCell):
     def combine(self, y, weights, route):
         if self.pad:
             # each pair's row (a zero row for the dropped ones), then the weighted sum per token
-            pairs = take_rows(_with_zero_row(self._carried(y)), route).astype(y.dtype)
+            pairs = y if _none(route) else \
+                take_rows(_with_zero_row(self._carried(y)), route).astype(y.dtype)
             return moe_token_unpermute(pairs, ops.arange(pairs.shape[0], dtype=ms.int32), weights)
         return moe_token_unpermute(y, route, weights)
 
@@ -76,6 +78,9 @@ class LocalDispatcher(SelfCastingCell):
         tokens, k = expert_idx.shape
         top_k, factor = self.capacity_of
         rows = padded_rows(tokens, top_k, self.num_experts, factor)
+        if _none(expert_idx):  # no rows (and no gathers: the CPU's bprop of one refuses none)
+            return x.reshape(0, x.shape[1]), ops.zeros((self.num_experts,), ms.int64), \
+                ops.zeros((0,), ms.int64)
         flat = expert_idx.reshape(-1)
         row_of_pair = padded_rows_index(flat, self.num_experts, rows)
         # row e*C + s holds a pair when s < the pairs expert e kept, else zeros (row T of x): the
@@ -95,6 +100,11 @@ class LocalDispatcher(SelfCastingCell):
         if self.widen_bfloat16 and rows.dtype == ms.bfloat16:
             return rows.astype(ms.float32)
         return rows
+
+
+def _none(t):
+    """Whether t is known to be empty while the graph is built (no tokens)."""
+    return _compat.is_constant(t.shape[0]) and t.shape[0] == 0
 
 
 def _with_zero_row(rows):
