@@ -9,7 +9,8 @@ import pytest
 from mindspore import Tensor, nn
 
 from ms_moe_ops.nn._precision import SelfCastingCell
-from ms_moe_ops.parallel.exchange import AllReduceExchange, AlltoAllVExchange
+from ms_moe_ops.parallel.exchange import (AllReduceExchange, AlltoAllVExchange,
+                                        BlockAllReduceExchange, GroupGather)
 from conftest import numpy, run
 
 H = 3
@@ -86,6 +87,7 @@ def test_combine_gives_each_rank_its_own_rows_back(send, mode, rng):
         m = len(world.rows[r]) + 2  # two rows past those sent (pairs dropped at a capacity)
         fn = lambda y, s: exchange.combine(y, exchange.plan(s, m))  # noqa: E731
         got = numpy(run(fn, Tensor(received), Tensor(world.send), mode=mode))
+        assert got.shape == (m, H)
         np.testing.assert_array_equal(got[:m - 2], world.rows[r].reshape(-1, H))
         np.testing.assert_array_equal(got[m - 2:], 0)
 
@@ -159,3 +161,53 @@ def test_all_reduce_combine_gives_each_rank_its_own_rows_back(send, rng):
     for r in range(n):
         got = _AllReduce(r, n, _Sum(total)).combine(Tensor(results[r]), plans[r]).asnumpy()
         np.testing.assert_array_equal(got, 2 * world.rows[r])
+
+
+# -- the all-to-all of equal blocks (pad_to_capacity) and the gather of counts ---------------------
+
+class _Block(BlockAllReduceExchange):
+    def __init__(self, rank, size, all_reduce):
+        SelfCastingCell.__init__(self)
+        self.rank, self.size, self.all_reduce = rank, size, all_reduce
+
+
+class _Gather(GroupGather):
+    def __init__(self, rank, size, all_reduce):
+        SelfCastingCell.__init__(self)
+        self.rank, self.size, self.all_reduce = rank, size, all_reduce
+
+
+def _world_sum(cls, inputs):
+    """Every rank's share of the AllReduce inside cls, summed: what the collective returns."""
+    shares = []
+    for r, x in enumerate(inputs):
+        recorder = _Sum()
+        cls(r, len(inputs), recorder)(Tensor(x))
+        shares.append(recorder.seen[0])
+    return np.sum(shares, axis=0)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_equal_blocks_all_to_all(n, rng):
+    """Rank r's block d goes to rank d; rank d gets the blocks of every rank, source by source;
+    applied twice (the way back) every rank has its own rows again."""
+    b = 2
+    rows = [rng.normal(size=(n * b, H)).astype(np.float32) for _ in range(n)]
+    total = _world_sum(_Block, rows)
+    got = [_Block(r, n, _Sum(total))(Tensor(rows[r])).asnumpy() for r in range(n)]
+    for d in range(n):
+        np.testing.assert_array_equal(got[d], np.concatenate([rows[s][d * b:(d + 1) * b]
+                                                              for s in range(n)]))
+    back_total = _world_sum(_Block, got)
+    for r in range(n):
+        np.testing.assert_array_equal(_Block(r, n, _Sum(back_total))(Tensor(got[r])).asnumpy(),
+                                      rows[r])
+
+
+def test_group_gather(rng):
+    counts = [rng.integers(0, 9, 4).astype(np.int64) for _ in range(3)]
+    total = _world_sum(_Gather, counts)
+    for r in range(3):
+        got = _Gather(r, 3, _Sum(total))(Tensor(counts[r])).asnumpy()
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.stack(counts))
