@@ -11,6 +11,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 import megatron_capacity as megatron
+from cases import ForwardBackward
 from ascend_ir import dynamic_dimensions, read_ir
 from conftest import RTOL, FnCell, assert_close, finite_diff, numpy, run, tensor
 from ms_moe_ops import (MoEConfig, MoELayer, dropped_fraction, expert_load, load_imbalance,
@@ -133,15 +134,6 @@ def test_the_drop_changes_the_output_and_nothing_else():
     assert (np.abs(a - b).max(axis=1)[~whole] > 1e-4).all()
 
 
-class _Loss(nn.Cell):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def construct(self, x, cot):
-        return (self.layer(x) * cot).sum()
-
-
 @pytest.mark.parametrize("policy,pad,mode", [
     ("probs", False, "pynative"), ("position", True, "pynative"),
     pytest.param("probs", True, "graph", marks=pytest.mark.slow),
@@ -158,8 +150,8 @@ def test_gradients_are_finite_differences(policy, pad, mode):
     params = layer.trainable_params()
     ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
     try:
-        dx, dw = ms.grad(_Loss(layer), grad_position=0, weights=params)(
-            Tensor(x.astype(np.float32)), Tensor(cot.astype(np.float32)))
+        _, dx, dw = ForwardBackward(layer)(Tensor(x.astype(np.float32)),
+                                           Tensor(cot.astype(np.float32)))
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE)
 
@@ -207,7 +199,7 @@ def test_edge_sizes(shape, pad):
         expected, keep = _model(options, w, x.reshape(-1, H), "probs")
         assert keep.all()
         assert_close(got.reshape(-1, H), expected, rtol=1e-5, atol=1e-5)
-    dx = ms.grad(_Loss(layer))(Tensor(x.astype(np.float32)), Tensor(np.ones(shape, np.float32)))
+    _, dx, _ = ForwardBackward(layer)(Tensor(x.astype(np.float32)), Tensor(np.ones(shape, np.float32)))
     assert dx.shape == shape
     assert dropped_fraction(layer) == [0.0]
 
@@ -290,18 +282,6 @@ def test_dropped_fraction_beside_load_imbalance():
 
 # -- static shapes ------------------------------------------------------------------------------------
 
-class _ForwardBackward(nn.Cell):
-    """(out, d/dx, d/d(parameters)) of sum(layer(x) * cot)."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-        self.grad = ms.grad(_Loss(layer), grad_position=0, weights=layer.trainable_params())
-
-    def construct(self, x, cot):
-        return self.layer(x), self.grad(x, cot)
-
-
 def test_padded_step_in_graph_mode(tmp_path):
     """GRAPH mode, pad_to_capacity: the output is Megatron's, the gradients the finite
     differences of its model, and every tensor of the forward and backward (the gradients of the
@@ -315,8 +295,8 @@ def test_padded_step_in_graph_mode(tmp_path):
     assert not keep.all()
     ms.set_context(mode=ms.GRAPH_MODE, save_graphs=1, save_graphs_path=str(tmp_path))
     try:
-        out, (dx, dw) = _ForwardBackward(layer)(Tensor(x.astype(np.float32)),
-                                                Tensor(cot.astype(np.float32)))
+        out, dx, dw = ForwardBackward(layer)(Tensor(x.astype(np.float32)),
+                                             Tensor(cot.astype(np.float32)))
     finally:
         ms.set_context(mode=ms.PYNATIVE_MODE, save_graphs=0)
     assert_close(numpy(out), expected, rtol=1e-5, atol=1e-5)

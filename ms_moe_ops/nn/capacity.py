@@ -110,11 +110,11 @@ class ExpertCapacity(SelfCastingCell):
     def construct(self, weights, expert_idx):
         tokens, k = expert_idx.shape
         flat = expert_idx.reshape(-1)
-        slot = slots(flat, self.num_experts, weights.reshape(-1) if self.by_probs else None)
-        keep = (slot < self.capacity(tokens)).reshape(tokens, k)
-        routed = count(flat, self.num_experts)
-        kept = count(ops.where(keep.reshape(-1), flat, ops.full_like(flat, self.num_experts)),
-                     self.num_experts)
+        capacity = self.capacity(tokens)
+        slot, routed = slots(flat, self.num_experts, weights.reshape(-1) if self.by_probs else None)
+        keep = (slot < capacity).reshape(tokens, k)
+        routed = routed[:self.num_experts]
+        kept = ops.minimum(routed, capacity)
         counts = ops.stop_gradient(ops.stack((routed, routed - kept)).astype(ms.float32))
         if self.reducer is not None:
             counts = self.reducer(counts)
@@ -155,9 +155,9 @@ class ExpertCapacity(SelfCastingCell):
 
 
 def slots(flat_idx, num_experts, weights=None):
-    """int64 [N]: the place of each pair among the pairs of its expert (0 first) in the order the
-    drop policy keeps them: by weight, highest first (weights [N] given), then by position.
-    flat_idx [N] int32 in [0, num_experts]."""
+    """(int64 [N]: the place of each pair among the pairs of its expert (0 first) in the order
+    the drop policy keeps them: by weight, highest first (weights [N] given), then by position;
+    int64 [E + 1]: the pairs of each expert). flat_idx [N] int32 in [0, num_experts]."""
     n = flat_idx.shape[0]
     key = flat_idx.astype(ms.int64)
     if weights is not None:
@@ -170,12 +170,14 @@ def slots(flat_idx, num_experts, weights=None):
     place = inverse_permutation(order).astype(ms.int64)
     counts = count(flat_idx, num_experts + 1)
     first = ops.cumsum(counts, 0) - counts
-    return place - take_rows(first, flat_idx)
+    return place - take_rows(first, flat_idx), counts
 
 
 def padded_rows_index(flat_idx, num_experts, rows):
-    """int64 [N]: each pair's row in the padded layout (expert e's rows at [e*rows, (e+1)*rows),
-    its pairs in token order), E*rows for the pairs of the sentinel expert E (dropped)."""
-    slot = slots(flat_idx, num_experts)
+    """(int64 [N]: each pair's row in the padded layout (expert e's rows at [e*rows, (e+1)*rows),
+    its pairs in token order), E*rows for the pairs of the sentinel expert E (dropped); int64
+    [E]: the pairs each expert kept)."""
+    slot, counts = slots(flat_idx, num_experts)
     row = flat_idx.astype(ms.int64) * rows + slot
-    return ops.where(flat_idx < num_experts, row, ops.zeros_like(row) + num_experts * rows)
+    return (ops.where(flat_idx < num_experts, row, ops.zeros_like(row) + num_experts * rows),
+            counts[:num_experts])

@@ -28,7 +28,7 @@ from mindspore import ops
 from ..ops import moe_token_permute, moe_token_unpermute
 from .. import _compat
 from ..ops import _platform
-from ..ops._indexing import count, take_rows
+from ..ops._indexing import take_rows
 from ._precision import SelfCastingCell
 from .capacity import padded_rows, padded_rows_index
 
@@ -82,10 +82,9 @@ class LocalDispatcher(SelfCastingCell):
             return x.reshape(0, x.shape[1]), ops.zeros((self.num_experts,), ms.int64), \
                 ops.zeros((0,), ms.int64)
         flat = expert_idx.reshape(-1)
-        row_of_pair = padded_rows_index(flat, self.num_experts, rows)
+        row_of_pair, kept = padded_rows_index(flat, self.num_experts, rows)
         # row e*C + s holds a pair when s < the pairs expert e kept, else zeros (row T of x): the
         # pair whose row it is, found in the pairs sorted by row
-        kept = count(flat, self.num_experts + 1)[:self.num_experts]
         row = ops.arange(self.num_experts * rows, dtype=ms.int64)
         filled = row % rows < take_rows(kept, row // rows)
         ordered, pair = ops.sort(row_of_pair.astype(ms.int32))

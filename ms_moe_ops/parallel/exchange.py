@@ -81,14 +81,18 @@ def at_rank(x, rank, size):
 
 # The exchanges are SelfCastingCells: mixed precision (O2's to_float on every Cell) must not
 # cast the rows they carry.
-class AllReduceExchange(SelfCastingCell):
-    """The exchange pair with static shapes from AllReduce (see the module docstring)."""
+class _OverAllReduce(SelfCastingCell):
+    """A Cell made of an AllReduce over `ep`'s group: this rank's place and the group's size."""
 
     def __init__(self, ep):
         super().__init__()
         self.rank = ep.rank
         self.size = ep.size
         self.all_reduce = ops.AllReduce(group=ep.group)
+
+
+class AllReduceExchange(_OverAllReduce):
+    """The exchange pair with static shapes from AllReduce (see the module docstring)."""
 
     def plan(self, send, m):
         """Row of the all-reduced [n*M] buffer holding each row this rank receives (n*M past
@@ -167,16 +171,10 @@ class AlltoAllExchange(SelfCastingCell):
         return self.all_to_all(x)
 
 
-class BlockAllReduceExchange(SelfCastingCell):
+class BlockAllReduceExchange(_OverAllReduce):
     """The all-to-all of equal blocks from one AllReduce (any backend): each rank puts its n
     blocks at its own row of a zero [n, n, B, H] buffer and takes column `rank` of the sum
     (every element has one contributor: exact). Static shapes; n*n*B rows all-reduced."""
-
-    def __init__(self, ep):
-        super().__init__()
-        self.rank = ep.rank
-        self.size = ep.size
-        self.all_reduce = ops.AllReduce(group=ep.group)
 
     def construct(self, x):
         h = x.shape[1]
@@ -185,15 +183,9 @@ class BlockAllReduceExchange(SelfCastingCell):
         return everyone[:, self.rank].reshape(-1, h)
 
 
-class GroupGather(SelfCastingCell):
+class GroupGather(_OverAllReduce):
     """x [...] of every rank of the group, stacked by rank: [n, ...] float32 (an AllReduce of x
     placed at row `rank` of zeros; exact for integers below 2**24). Forward only."""
-
-    def __init__(self, ep):
-        super().__init__()
-        self.rank = ep.rank
-        self.size = ep.size
-        self.all_reduce = ops.AllReduce(group=ep.group)
 
     def construct(self, x):
         x = ops.stop_gradient(x).astype(ms.float32).expand_dims(0)
