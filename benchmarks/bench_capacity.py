@@ -144,13 +144,16 @@ def plot(rows, path):
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    dropless = {r["share"]: float(r["imbalance"]) for r in rows if r["contender"] == "dropless"}
+    dropless = {r["share"]: r for r in rows if r["contender"] == "dropless"}
     for name in CONTENDERS:
         mine = [r for r in rows if r["contender"] == name]
-        x = [dropless[r["share"]] for r in mine]
-        for ax, field in zip(axes, ("ms", "mib", "busiest_rows")):
+        x = [float(dropless[r["share"]]["imbalance"]) for r in mine]
+        # the time as a ratio to the dropless step of the same rounds: the load cancels out
+        axes[0].plot(x, [float(r["ms"]) / float(dropless[r["share"]]["ms"]) for r in mine],
+                     marker="o", label=name)
+        for ax, field in zip(axes[1:], ("mib", "busiest_rows")):
             ax.plot(x, [float(r[field]) for r in mine], marker="o", label=name)
-    for ax, label in zip(axes, ("time per step (ms)", "memory per step (MiB)",
+    for ax, label in zip(axes, ("time per step / dropless's", "memory per step (MiB)",
                                 "rows of the busiest expert")):
         ax.set_xlabel("router imbalance (max / mean pairs per expert)")
         ax.set_ylabel(label)
