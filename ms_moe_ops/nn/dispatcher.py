@@ -79,8 +79,8 @@ class LocalDispatcher(SelfCastingCell):
         top_k, factor = self.capacity_of
         rows = padded_rows(tokens, top_k, self.num_experts, factor)
         if _none(expert_idx):  # no rows (and no gathers: the CPU's bprop of one refuses none)
-            return x.reshape(0, x.shape[1]), ops.zeros((self.num_experts,), ms.int64), \
-                ops.zeros((0,), ms.int64)
+            return x.reshape(0, x.shape[1]), ops.zeros((self.num_experts,), dtype=ms.int64), \
+                ops.zeros((0,), dtype=ms.int64)
         flat = expert_idx.reshape(-1)
         row_of_pair, kept = padded_rows_index(flat, self.num_experts, rows)
         # row e*C + s holds a pair when s < the pairs expert e kept, else zeros (row T of x): the
@@ -92,7 +92,7 @@ class LocalDispatcher(SelfCastingCell):
         token = ops.where(filled, take_rows(pair, at).astype(ms.int64) // k,
                           ops.zeros_like(row) + tokens)
         out = take_rows(_with_zero_row(self._carried(x)), token).astype(x.dtype)
-        return out, ops.zeros((self.num_experts,), ms.int64) + rows, row_of_pair
+        return out, ops.zeros((self.num_experts,), dtype=ms.int64) + rows, row_of_pair
 
     def _carried(self, rows):
         """bfloat16 rows through float32 off Ascend (exact): the CPU has no bfloat16 Gather."""
