@@ -22,7 +22,7 @@ from mindspore.communication import init  # noqa: E402
 
 init()
 
-from ascend_ir import dynamic_dimensions, read_ir  # noqa: E402
+from ascend_ir import dynamic_dimensions, read_ir, saving_ir  # noqa: E402
 from ascend_rules import RULES  # noqa: E402
 from ascend_sim import backend_refusal  # noqa: E402
 from ms_moe_ops import MoELayer  # noqa: E402
@@ -63,15 +63,13 @@ def compiled(ep, ir_dir, **capacity):
     net = Net(ep, **capacity)
     step = ExpertParallelTrainStep(Loss(net), nn.Adam(net.trainable_params(), 1e-3), ep)
     x = Tensor(np.random.default_rng(ep.rank).normal(size=(2, 8, H)).astype(np.float32))
-    ms.set_context(mode=ms.GRAPH_MODE, save_graphs=1, save_graphs_path=ir_dir)
     result = {}
     try:
-        step(x)
+        with saving_ir(ir_dir):
+            step(x)
         result["refused"], result["error"] = None, "the CPU backend ran an Ascend graph"
     except (RuntimeError, TypeError, ValueError) as error:
         result["refused"], result["error"] = backend_refusal(error), str(error)[:3000]
-    finally:
-        ms.set_context(save_graphs=0)
     if result["refused"] is not None:
         graph, path = read_ir(ir_dir)
         result["broken"] = [f"[{r.name}] {m}" for r in RULES for m in r.broken(graph, "A2")]

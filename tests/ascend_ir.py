@@ -2,6 +2,7 @@
 file `save_graphs` writes), read into nodes a rule can inspect: primitive, arguments, input and
 output types. Enough of the text format of MindSpore 2.10 for the Ascend rules
 (tests/ascend_rules.py); a format change fails loudly in `read_ir` (no node found)."""
+import contextlib
 import glob
 import os
 import re
@@ -137,6 +138,27 @@ def parse_ir(text, package=None) -> Graph:
         if path.startswith(package):
             last.source = f"{path[len(package):]}:{source.group(2)}"
     return Graph(nodes)
+
+
+@contextlib.contextmanager
+def saving_ir(directory):
+    """GRAPH mode with the compiled IR of what runs inside saved under directory (read_ir reads
+    it), then PyNative mode again. Only the validate pass's IR is written: MindSpore's
+    MS_DEV_DUMP_IR_PASSES picks the passes save_graphs writes (otherwise all hundred of them,
+    which doubles the time of a compilation)."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    previous = os.environ.get("MS_DEV_DUMP_IR_PASSES")
+    os.environ["MS_DEV_DUMP_IR_PASSES"] = "validate"
+    ms.set_context(mode=ms.GRAPH_MODE, save_graphs=1, save_graphs_path=str(directory))
+    try:
+        yield
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE, save_graphs=0)
+        if previous is None:
+            os.environ.pop("MS_DEV_DUMP_IR_PASSES", None)
+        else:
+            os.environ["MS_DEV_DUMP_IR_PASSES"] = previous
 
 
 def read_ir(directory) -> Tuple[Graph, str]:

@@ -7,17 +7,17 @@ lines of the compiled graph with a dimension known only at run time.
 
     msrun --worker_num=4 --local_worker_num=4 ... tests/ep_dp_worker.py OUT [graph]
 """
+import contextlib
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
-import mindspore as ms  # noqa: E402
 from mindspore import nn  # noqa: E402
 
 import cases as case  # noqa: E402  (its conftest import sets the device: CPU)
-from ascend_ir import dynamic_dimensions, read_ir  # noqa: E402
+from ascend_ir import dynamic_dimensions, read_ir, saving_ir  # noqa: E402
 from mindspore.communication import get_rank, init  # noqa: E402
 
 init()
@@ -41,13 +41,9 @@ def main(out_dir, only_mode=None):
         case.load_weights(layer, shard_experts(case.dp_weights(config), ep.rank, ep.size))
         ir_dir = os.path.join(out_dir, f"ir{world}")
         watch = config == "capacity" and mode == "graph"
-        if watch:
-            ms.set_context(save_graphs=1, save_graphs_path=ir_dir)
-        try:
+        with saving_ir(ir_dir) if watch else contextlib.nullcontext():
             trained = case.dp_train(layer, batches, lambda net: nn.WithLossCell(net, nn.MSELoss()),
                                     lambda net, opt: ExpertParallelTrainStep(net, opt, ep))
-        finally:
-            ms.set_context(save_graphs=0)
         result.update({f"{config}/{mode}/{k}": v for k, v in trained.items()})
         if watch:
             with open(read_ir(ir_dir)[1]) as f:

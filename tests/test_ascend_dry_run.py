@@ -22,7 +22,7 @@ import mindspore as ms
 import pytest
 from mindspore import Tensor, nn, ops
 
-from ascend_ir import dynamic_dimensions, read_ir
+from ascend_ir import dynamic_dimensions, read_ir, saving_ir
 from ascend_rules import RULES
 from ascend_sim import ASCEND_ONLY, as_on, backend_refusal
 from conftest import cpu_only
@@ -100,9 +100,9 @@ def compile_step(net, ir_dir, batch=2, seq=8):
     x = Tensor(np.random.default_rng(0).normal(size=(batch, seq, H)).astype(np.float32))
     step = TrainStep(net)
     _COMPILED.append(step)
-    ms.set_context(mode=ms.GRAPH_MODE, save_graphs=1, save_graphs_path=str(ir_dir))
     try:
-        step(x)
+        with saving_ir(ir_dir):
+            step(x)
     except (RuntimeError, TypeError, ValueError) as error:
         refused = backend_refusal(error)
         if refused is None:
@@ -110,8 +110,6 @@ def compile_step(net, ir_dir, batch=2, seq=8):
                                  "the device too):\n" + str(error)[:3000]) from error
     else:
         raise AssertionError("the CPU backend ran an Ascend graph: were the Ascend choices made?")
-    finally:
-        ms.set_context(mode=ms.PYNATIVE_MODE, save_graphs=0)
     return refused, read_ir(ir_dir)[0]
 
 

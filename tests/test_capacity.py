@@ -12,7 +12,7 @@ from mindspore import Tensor, nn, ops
 
 import megatron_capacity as megatron
 from cases import ForwardBackward
-from ascend_ir import dynamic_dimensions, read_ir
+from ascend_ir import dynamic_dimensions, read_ir, saving_ir
 from conftest import RTOL, FnCell, assert_close, finite_diff, numpy, run, tensor
 from ms_moe_ops import (MoEConfig, MoELayer, dropped_fraction, expert_load, load_imbalance,
                         reference as ref, reset_expert_load, update_expert_bias)
@@ -184,9 +184,15 @@ def test_half_precision(dtype):
     assert ref_x is not None
 
 
-@pytest.mark.parametrize("pad", [False, True])
-@pytest.mark.parametrize("shape", [(0, H), (2, 0, H), (1, H)], ids=["no tokens", "empty sequences",
-                                                                      "one token"])
+_EDGE_DEFAULT = {("no tokens", True), ("empty sequences", False), ("one token", True)}
+
+
+@pytest.mark.parametrize("shape,pad", [
+    pytest.param(shape, pad, id=f"{name}-{'padded' if pad else 'dropped'}",
+                 marks=() if (name, pad) in _EDGE_DEFAULT else pytest.mark.slow)
+    for name, shape in (("no tokens", (0, H)), ("empty sequences", (2, 0, H)),
+                        ("one token", (1, H)))
+    for pad in (False, True)])
 def test_edge_sizes(shape, pad):
     """No tokens: an empty output and zero gradients; one token: a capacity of at least one,
     nothing dropped (as Megatron: ceil of a positive number)."""
@@ -293,12 +299,9 @@ def test_padded_step_in_graph_mode(tmp_path):
     cot = np.random.default_rng(2).normal(0, 1, x.shape)
     expected, keep = _model(options, w, x, "probs")
     assert not keep.all()
-    ms.set_context(mode=ms.GRAPH_MODE, save_graphs=1, save_graphs_path=str(tmp_path))
-    try:
+    with saving_ir(tmp_path):
         out, dx, dw = ForwardBackward(layer)(Tensor(x.astype(np.float32)),
                                              Tensor(cot.astype(np.float32)))
-    finally:
-        ms.set_context(mode=ms.PYNATIVE_MODE, save_graphs=0)
     assert_close(numpy(out), expected, rtol=1e-5, atol=1e-5)
     assert_close(numpy(dx), finite_diff(
         lambda v: float((_model(options, w, v, "probs")[0] * cot).sum()), x), rtol=1e-4, atol=1e-5)
@@ -319,12 +322,9 @@ def test_the_static_shape_check_sees_a_dynamic_dimension(tmp_path):
     """The check above fails on a graph with a dimension known only at run time (the padded
     layer on a batch whose token count is known only at run time)."""
     cell = FnCell(_rows_of_capacity)
-    ms.set_context(mode=ms.GRAPH_MODE, save_graphs=1, save_graphs_path=str(tmp_path))
-    try:
+    with saving_ir(tmp_path):
         cell.set_inputs(Tensor(shape=[None, H], dtype=ms.float32))
         cell(Tensor(np.zeros((5, H), np.float32)))
-    finally:
-        ms.set_context(mode=ms.PYNATIVE_MODE, save_graphs=0)
     _, path = read_ir(tmp_path)
     with open(path) as f:
         assert dynamic_dimensions(f.read())
