@@ -181,11 +181,13 @@ _ONE_RANK_DEFAULT = {("swiglu, gated shared", "float32", "graph"),
                      ("fastgelu, softmax, biases", "float32", "pynative"),
                      ("groups, clamp, losses", "bfloat16", "pynative"),
                      ("capacity by position, padded", "float32", "pynative")}
+# (the capacity cases in bfloat16 in PyNative mode only: their dispatch is dtype-blind index work)
 ONE_RANK_RUNS = [pytest.param(case, dtype, mode, id=f"{mode}-{case}-{dtype}",
                               marks=() if (case, dtype, mode) in _ONE_RANK_DEFAULT
                               else pytest.mark.slow)
                  for case in ONE_RANK_CASES for dtype in ("float32", "bfloat16")
-                 for mode in ("pynative", "graph")]
+                 for mode in ("pynative", "graph")
+                 if not (case.startswith("capacity") and (dtype, mode) == ("bfloat16", "graph"))]
 
 
 @pytest.mark.parametrize("case,dtype,mode", ONE_RANK_RUNS)
