@@ -199,6 +199,12 @@ def _blas_rpath(tc, build_libdir):
     return list(dict.fromkeys(dirs))
 
 
+def _dl(tc):
+    """The dynamic loader's library on Linux (custom_aot/dispatch/onednn.cc looks for oneDNN in
+    the process with dlopen; glibc before 2.34 keeps dlopen in libdl)."""
+    return ["-ldl"] if tc.system == "linux" else []
+
+
 # -- the build ------------------------------------------------------------------------------------
 
 class BuildKernels(build_ext):
@@ -304,7 +310,7 @@ class BuildKernels(build_ext):
                 raise NotBuilt(f"no scipy_openblas DLL in {libdir}")
             link += ["-shared", "-static-libgcc", "-static-libstdc++", "-static", dlls[0]]
         else:
-            link += ["-shared", f"-L{libdir}", f"-l{lib}"]
+            link += ["-shared", f"-L{libdir}", f"-l{lib}"] + _dl(tc)
         link += [f"-Wl,-rpath,{d}" for d in _blas_rpath(tc, libdir)]
         run(link)
         return {"built": True, "library": os.path.basename(out), "compiler": tc.version,

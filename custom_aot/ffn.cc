@@ -81,14 +81,24 @@ int moe_ffn_float(const Args &args, Extra *extra) {
   T *ys = y.as<T>();
   // a tile is a block of one expert's rows through both products: the hidden block stays in the
   // thread's cache
+  // bfloat16 x and weight1 go to the dot-product GEMM as they are, where the path has one; the
+  // hidden layer stays float32 (SPEC), so the second product is a float32 one
+  onednn::GemmBf16 *const dot = std::is_same_v<T, bf16> ? bf16_dot() : nullptr;
   for_each_tile(row_tiles(off, 1), [&](const Tile &t) {
     thread_local std::vector<float> w1buf, w2buf, xbuf, hidden, ybuf;
-    const float *w1f = as_f32(w1s + t.g * h * f, h, f, f, w1buf);
     const float *w2f = as_f32(w2s + t.g * f * h, f, h, h, w2buf);
     const T *b1e = b1s ? b1s + t.g * f : nullptr, *b2e = b2s ? b2s + t.g * h : nullptr;
-    const float *xf = as_f32(xs + t.r0 * h, t.r, h, h, xbuf);
     hidden.resize(t.r * f);
-    sgemm(false, false, t.r, f, h, xf, h, w1f, f, 0.f, hidden.data(), f);
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (dot)
+        gemm_bf16(dot, false, false, t.r, f, h, xs + t.r0 * h, h, w1s + t.g * h * f, f, 0.f,
+                  hidden.data(), f);
+    }
+    if (!dot) {
+      const float *w1f = as_f32(w1s + t.g * h * f, h, f, f, w1buf);
+      const float *xf = as_f32(xs + t.r0 * h, t.r, h, h, xbuf);
+      sgemm(false, false, t.r, f, h, xf, h, w1f, f, 0.f, hidden.data(), f);
+    }
     bias_activate(hidden.data(), t.r, f, b1e, act);
     T *yr = ys + t.r0 * h;
     if constexpr (std::is_same_v<T, float>) {

@@ -1,6 +1,11 @@
 // Matrix products for the grouped kernels (grouped_matmul, MoeFFN): one thread pool for the whole
 // kernel, float32 views of float16/bfloat16 blocks, and the limits of the BLAS's 32-bit sizes.
 //
+// Products: the BLAS (scipy-openblas32), or on the avx512 path oneDNN's where the process has it
+// (onednn.h): its AVX-512 sgemm, and for bfloat16 operands its bfloat16 dot-product GEMM, which
+// takes them as they are (no float32 copy) and multiplies them exactly into float32 sums at twice
+// the float32 FMA rate (vdpbf16ps, AMX). Lower paths keep the BLAS, as a CPU of their kind does.
+//
 // Threads: a grouped product is cut into tiles (a block of one group's rows, or of its output
 // columns) whose bounds depend on the shapes only; the kernel's OpenMP threads take the tiles
 // and each calls the BLAS single-threaded. One pool of threads then does all the work (the BLAS's
@@ -17,12 +22,22 @@
 #include <vector>
 
 #include "common.h"
+#include "onednn.h"
 
 namespace moe {
 inline namespace MOE_ISA_NS {
 
 // Rows of a float16/bfloat16 operand converted per block; bounds the float32 workspace.
 constexpr int64_t kRowBlock = 512;
+
+// oneDNN's products on this path (null: the BLAS and float32 conversions).
+#if defined(__AVX512F__) && defined(__x86_64__)
+inline onednn::Sgemm *onednn_sgemm() { return onednn::sgemm(); }
+inline onednn::GemmBf16 *bf16_dot() { return onednn::gemm_bf16(); }
+#else
+inline onednn::Sgemm *onednn_sgemm() { return nullptr; }
+inline onednn::GemmBf16 *bf16_dot() { return nullptr; }
+#endif
 
 // c[m, n] = op(a) @ op(b) + beta * c, row-major float32 (lda/ldb/ldc: row strides), in the
 // calling thread.
@@ -34,9 +49,36 @@ inline void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, c
       for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * n);
     return;
   }
+  if (onednn::Sgemm *f = onednn_sgemm())
+    if (f(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, 1.f, a, lda, b, ldb, beta, c, ldc) == 0)
+      return;
   scipy_cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
                     trans_b ? CblasTrans : CblasNoTrans, (blasint)m, (blasint)n, (blasint)k, 1.f,
                     a, (blasint)lda, b, (blasint)ldb, beta, c, (blasint)ldc);
+}
+
+// The same for bfloat16 a and b through `dot` (bf16_dot()): every product of two bfloat16 values
+// is exact in float32 and the sums are float32 (vdpbf16ps flushes float32 subnormals to zero).
+inline void gemm_bf16(onednn::GemmBf16 *dot, bool trans_a, bool trans_b, int64_t m, int64_t n,
+                      int64_t k, const bf16 *a, int64_t lda, const bf16 *b, int64_t ldb,
+                      float beta, float *c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (beta == 0.f)
+      for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * n);
+    return;
+  }
+  if (dot(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, 1.f, &a->bits, lda, &b->bits, ldb,
+          beta, c, ldc) == 0)
+    return;
+  // (oneDNN refused: the operands in float32, through sgemm)
+  thread_local std::vector<float> af, bf;
+  const int64_t ar = trans_a ? k : m, ac = trans_a ? m : k, br = trans_b ? n : k, bc = trans_b ? k : n;
+  af.resize(ar * ac);
+  bf.resize(br * bc);
+  for (int64_t i = 0; i < ar; ++i) load_f32(a + i * lda, af.data() + i * ac, ac);
+  for (int64_t i = 0; i < br; ++i) load_f32(b + i * ldb, bf.data() + i * bc, bc);
+  sgemm(trans_a, trans_b, m, n, k, af.data(), ac, bf.data(), bc, beta, c, ldc);
 }
 
 // True when every size fits the BLAS's int (scipy-openblas32).

@@ -2,7 +2,9 @@
 // counts (or cumulative ends) tensor. Two forms cover a grouped layer and its backward:
 //   rows form:       out[rows g] = x[rows g] @ op(weight[g]) (+ bias[g])   x [M,K] -> [M,N]
 //   transposed-x:    out[g]      = x[rows g]^T @ b[rows g]                 x [M,K], b [M,N] -> [G,K,N]
-// Every product goes through the BLAS; float16/bfloat16 blocks are converted to float32 first.
+// Every product goes through the BLAS (gemm.h); float16 blocks are converted to float32 first,
+// bfloat16 operands go as they are to a bfloat16 dot-product GEMM where the path has one (else
+// converted too). Either way each product is exact and summed in float32, rounded once at the end.
 #include <algorithm>
 
 #include "ffn.h"
@@ -22,10 +24,20 @@ void rows_form(const Arg &x, const Arg &w, const Arg &bias, const std::vector<in
   const int64_t k = x.dim(1), n = out.dim(1), groups = (int64_t)off.size() - 1;
   const T *xs = x.as<T>(), *ws = w.as<T>(), *bs = bias.present() ? bias.as<T>() : nullptr;
   T *ys = out.as<T>();
+  onednn::GemmBf16 *const dot = std::is_same_v<T, bf16> ? bf16_dot() : nullptr;
   for_each_tile(row_tiles(off, n), [&](const Tile &t) {
     thread_local std::vector<float> wbuf, xbuf, ybuf;
     // the tile's columns of op(weight[g]): [k, c] of [k, n], or [c, k] rows of [n, k]
     const T *wg = ws + t.g * k * n;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (dot) {
+        ybuf.resize(t.r * t.c);
+        gemm_bf16(dot, false, trans_w, t.r, t.c, k, xs + t.r0 * k, k,
+                  wg + (trans_w ? t.c0 * k : t.c0), trans_w ? k : n, 0.f, ybuf.data(), t.c);
+        store_rows(ybuf.data(), t.r, t.c, bs ? bs + t.g * n + t.c0 : nullptr, ys + t.r0 * n + t.c0, n);
+        return;
+      }
+    }
     const float *wf;
     int64_t ldw = trans_w ? k : n;
     if constexpr (std::is_same_v<T, float>) {
@@ -61,9 +73,20 @@ void transposed_x_form(const Arg &x, const Arg &b, const std::vector<int64_t> &o
   std::vector<Tile> tiles;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t k0 = 0; k0 < k; k0 += kc) tiles.push_back({g, k0, std::min(kc, k - k0), 0, n});
+  onednn::GemmBf16 *const dot = std::is_same_v<T, bf16> ? bf16_dot() : nullptr;
   for_each_tile(tiles, [&](const Tile &t) {
     const int64_t rows = off[t.g + 1] - off[t.g];
     T *ot = os + t.g * k * n + t.r0 * n;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (dot) {  // one product over all the group's rows (none: zeros)
+        thread_local std::vector<float> acc;
+        acc.resize(t.r * n);
+        gemm_bf16(dot, true, false, t.r, n, rows, xs + off[t.g] * k + t.r0, k, bs + off[t.g] * n, n,
+                  0.f, acc.data(), n);
+        store_rows(acc.data(), t.r, n, static_cast<const T *>(nullptr), ot, n);
+        return;
+      }
+    }
     if constexpr (std::is_same_v<T, float>) {
       // rows == 0: the empty sum, zeros (sgemm with k = 0 and beta 0)
       sgemm(true, false, t.r, n, rows, xs + off[t.g] * k + t.r0, k, bs + off[t.g] * n, n, 0.f,
@@ -144,3 +167,32 @@ MOE_KERNEL(GroupedMatmul)(int nparam, void **params, int *ndims, int64_t **shape
     return 0;
   });
 }
+
+namespace moe {
+inline namespace MOE_ISA_NS {
+// What the matrix products of each dtype run on this path (`python -m ms_moe_ops.info`).
+const char *products() {
+  thread_local std::string line;
+  line = std::string("float32: ") + (onednn_sgemm() ? "oneDNN sgemm" : "OpenBLAS sgemm") +
+         "; bfloat16: " +
+         (bf16_dot() ? "oneDNN bfloat16 dot-product GEMM (exact products, float32 sums)"
+                     : "converted to float32 blocks, then float32 products") +
+         "; float16: converted to float32 blocks, then float32 products (" + onednn::about() + ")";
+  return line.c_str();
+}
+}  // namespace MOE_ISA_NS
+}  // namespace moe
+
+#if defined(MOE_ENTRY_POINTS)
+#define MOE_PRODUCTS_DECLARE(path, _) \
+  MOE_CAT(MOE_INLINE_, path) namespace isa_##path { const char *products(); }
+namespace moe { MOE_PATH_LIST(MOE_PRODUCTS_DECLARE, _) }
+
+// The products of the path a kernel call takes now, per dtype, and the oneDNN found.
+MOE_EXPORT const char *MsMoeOpsProducts() {
+  using Fn = const char *();
+  static Fn *const paths[] = {MOE_PATH_LIST(MOE_PATH_ENTRY, products)};
+  const int p = moe::dispatch::path();
+  return p < 0 ? "none: MS_MOE_OPS_ISA names no path this CPU runs" : paths[p]();
+}
+#endif

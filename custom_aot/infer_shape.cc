@@ -139,6 +139,11 @@ MOE_EXPORT Shapes MoeFFNActivationGradInferShape(int *ndims, int64_t **shapes, v
   return {h, h};
 }
 
+// cast: x -> y of x's shape
+MOE_EXPORT Shape CastInferShape(int *ndims, int64_t **shapes, void *) {
+  return shape_of(ndims, shapes, 0);
+}
+
 MOE_EXPORT Shape GroupedMatmulInferShape(int *ndims, int64_t **shapes, void *extra) {
   return grouped_matmul(ndims, shapes, attrs(extra));
 }

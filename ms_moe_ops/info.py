@@ -52,6 +52,18 @@ def _blas():
         return f"not loadable ({error})"
 
 
+def _products():
+    """What the matrix products of each dtype run on the path a call takes now (oneDNN's
+    bfloat16 dot product, or float32 products), or why that is unknown."""
+    from .ops._library import kernel_library  # pylint: disable=import-outside-toplevel
+
+    lib = ctypes.CDLL(kernel_library())
+    if not hasattr(lib, "MsMoeOpsProducts"):
+        return "unknown (a library built before the report said it)"
+    lib.MsMoeOpsProducts.restype = ctypes.c_char_p
+    return lib.MsMoeOpsProducts().decode()
+
+
 def resolution(op, target, soc, mode):
     """(implementation name, [passed over: 'name (why)']) the resolver's rule gives for a call
     every implementation accepts; (None, reasons) when none runs here."""
@@ -94,6 +106,7 @@ def report():
         lines.append(f"instruction-set paths: built {' '.join(built_paths)}; this CPU runs "
                      f"{' '.join(here)}; a kernel call takes {now}")
         lines.append(f"BLAS: {_blas()}")
+        lines.append(f"matrix products: {_products()}")
     target = _platform.device_target()
     soc = _platform.soc_family(target)
     forced = _platform.forced_impl()

@@ -253,6 +253,13 @@ def round_to_dtype(y, dtype):
     return y
 
 
+def cast(x, dtype):
+    """cast: x (float32, float16 or bfloat16 values) rounded to nearest-even in dtype, as float64
+    values."""
+    with np.errstate(over="ignore"):  # (float16: past 65520 is inf)
+        return round_to_dtype(np.asarray(x, np.float32), dtype).astype(np.float64)
+
+
 def saturate_int8(v):
     """round half to even, then clamp to [-128, 127] (NaN -> 0): float -> int8."""
     r = np.rint(np.nan_to_num(np.asarray(v, np.float64), nan=0.0))

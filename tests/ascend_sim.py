@@ -3,7 +3,7 @@ it reads, and what the installed CANN has (by default every kernel the package b
 telling the CPU backend's refusal of an Ascend kernel from any other error."""
 import re
 
-from ms_moe_ops.ops import _cann, _op, _platform
+from ms_moe_ops.ops import _cann, _impls, _op, _platform
 
 # The primitives only an Ascend device has, as the CPU backend names them when it refuses one.
 ASCEND_ONLY = ("GroupedMatmulV4", "MoeTokenPermute", "InnerMoeTokenUnpermute", "FFNExt",
@@ -21,10 +21,17 @@ def as_on(monkeypatch, soc, cann_missing=()):
 
 
 def with_cann(monkeypatch, missing=()):
-    """The installed CANN has every aclnn kernel but `missing`."""
-    monkeypatch.setattr(_cann, "kernel_missing",
-                        lambda kernel: f"the installed CANN does not have {kernel}"
-                        if kernel in missing else "")
+    """The installed CANN has every aclnn kernel but `missing` (symbols, headers that match the
+    bindings, the SoC's op-info), and MindSpore can build the C++ extension."""
+    def lacks(kernel, *_):
+        return f"the installed CANN does not have {kernel}" if kernel in missing else ""
+
+    monkeypatch.setattr(_cann, "kernel_missing", lacks)
+    monkeypatch.setattr(_cann, "unavailable", lacks)
+    monkeypatch.setattr(_impls, "extension_missing", lambda: "")
+    # what failed to build under another simulated CANN (on CPU: the C++ extension, which is
+    # compiled for Ascend only) is forgotten with it
+    monkeypatch.setattr(_op, "_BROKEN", {})
     _op.choose.cache_clear()
 
 

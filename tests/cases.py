@@ -8,6 +8,7 @@ from mindspore import ParameterTuple, Tensor, nn, ops
 from ms_moe_ops import (MoELayer, dropped_fraction, moe_ffn, reference as ref, reset_expert_load,
                         update_expert_bias)
 from ms_moe_ops.ops import ffn, gating, permute, swiglu
+from ms_moe_ops.ops.cast import CAST
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
 from conftest import assert_close, numpy, rounded, run, tensor
 
@@ -506,6 +507,11 @@ def _unpermute_backward(rng, dtype, with_probs=True):
             dict(top_k=top_k, with_probs=with_probs), golden)
 
 
+def _cast(rng, dtype, to="bfloat16"):
+    x = rounded(rng.normal(size=(4, 7)) * 3, dtype)
+    return CAST, [x], dict(dtype=to), (ref.cast(x, to),)
+
+
 CASES = {
     "router_sigmoid": lambda r, d: _router(r, d, k=2, with_bias=True),
     "router_groups_max": lambda r, d: _router(r, d, k=4, k_group=2, group_count=4, with_bias=True),
@@ -541,6 +547,9 @@ CASES = {
     "unpermute_unweighted": lambda r, d: _unpermute(r, d, False),
     "unpermute_backward": _unpermute_backward,
     "unpermute_backward_unweighted": lambda r, d: _unpermute_backward(r, d, False),
+    "cast": _cast,
+    "cast_to_float16": lambda r, d: _cast(r, d, "float16"),
+    "cast_to_float32": lambda r, d: _cast(r, d, "float32"),
 }
 
 

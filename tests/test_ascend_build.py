@@ -13,7 +13,7 @@ import pytest
 import mindspore as ms
 
 from ms_moe_ops import reference as ref
-from ms_moe_ops.ops import OPERATORS, _op, _platform
+from ms_moe_ops.ops import OPERATORS, _extension, _op, _platform
 from ms_moe_ops.ops.ffn import MOE_FFN
 from ms_moe_ops.ops.grouped_matmul import cover_every_row
 from ascend_sim import ASCEND_ONLY, as_on, backend_refusal
@@ -22,7 +22,9 @@ from cases import CASES, compare, op_input as _t
 
 pytestmark = cpu_only("builds the Ascend implementations on CPU, where they cannot run")
 
-ASCEND = [(op, impl) for op in OPERATORS for impl in op.impls if impl.target == "Ascend"]
+# (the C++ extension route is compiled by tests/test_ascend_extension.py, against the stub CANN tree)
+ASCEND = [(op, impl) for op in OPERATORS for impl in op.impls
+          if impl.target == "Ascend" and impl.route != "extension"]
 
 
 @pytest.mark.parametrize("op,impl", ASCEND, ids=[f"{o.name}-{i.name}" for o, i in ASCEND])
@@ -164,13 +166,28 @@ def test_pynative_choices_run_or_only_miss_their_cpu_kernel(monkeypatch, soc, ca
     signature = tuple(None if a is None else (a.dtype, tuple(a.shape)) for a in args)
     chosen = _op.choose(op, tuple(op.resolve(**attrs).items()), ("Ascend", soc, "pynative", None),
                         signature)
-    assert chosen.name in ("builtin", "composition"), chosen.name
+    assert chosen.name in ("builtin", "composition", "aclnn"), chosen.name
+    calls = []
+    if chosen.route == "extension":
+        # the C++ extension is compiled for Ascend only (tests/test_ascend_extension.py compiles
+        # it against the stub CANN tree, and runs the same route built for CPU): here the call
+        # reaches its function with the output spec the declaration infers, and stops there
+        def function(op_, binding, backend="Ascend", symbol=""):
+            def call(spec, *rest):
+                calls.append(spec)
+                raise RuntimeError(f"{binding.kernel}: unregistered on CPU")
+            return call
+
+        monkeypatch.setattr(_extension, "function", function)
+        monkeypatch.setattr(_op, "_BUILT", {})  # built with this test's function, then forgotten
     try:
         out = op(*args, **attrs)
         out = out if isinstance(out, tuple) else (out,)
         numpy(out[0])  # PyNative may raise at the first read
     except RuntimeError as error:  # a built-in (or one a composition calls) without CPU kernel
         assert any(words in str(error) for words in PYNATIVE_REFUSALS), str(error)[:500]
+        if chosen.route == "extension":
+            assert calls and calls[0][0] == len(op.outputs), calls
         return
     assert chosen.name == "composition", "a built-in ran on CPU"
     compare(out, golden, "float32")

@@ -14,14 +14,18 @@ from mindspore import Tensor, ops
 from mindspore.ops.operations._custom_ops_utils import CustomCodeGenerator
 
 from ms_moe_ops.ops import OPERATORS, _impls
-from ms_moe_ops.ops._op import ABSENT, ACLNN_SCALARS, AclnnBinding, Attr, OpDef
+from ms_moe_ops.ops._op import ABSENT, ACLNN_SCALARS, HOST, AclnnBinding, Attr, OpDef
 from ms_moe_ops.ops.ffn import MOE_FFN
 from ms_moe_ops.ops.swiglu import ACLNN_CLAMP_OFF, SWIGLU_GROUP_QUANT_GRAD
 
 _DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "aclnn_prototypes.json")
 PROTOTYPES = json.load(open(_DATA, encoding="utf-8"))["prototypes"]
 BOUND = {p["kernel"]: p for p in PROTOTYPES if p["bound"]}
-ACLNN = [(op, impl) for op in OPERATORS for impl in op.impls if impl.name == "aclnn"]
+# one entry per binding (a binding has an ops.Custom route in GRAPH mode and the C++ extension
+# route, or the extension route alone when it takes host arguments)
+ACLNN = list({impl.binding: (op, impl) for op in OPERATORS for impl in op.impls
+              if impl.name == "aclnn"}.values())
+CUSTOM = [(op, impl) for op, impl in ACLNN if impl.route == ""]
 
 
 def parse_prototype(entry):
@@ -32,7 +36,7 @@ def parse_prototype(entry):
     for arg in args[:len(args) - 2 - entry["outputs"]]:
         words = arg.replace("*", " * ").split()
         name, ctype = words[-1], " ".join(w for w in words[:-1] if w != "const").replace(" *", "*")
-        optional = name.endswith("Optional")
+        optional = name.endswith("Optional") or name in entry.get("optional", ())
         snake = re.sub(r"(?<!^)(?=[A-Z])", "_", re.sub(r"Optional$", "", name)).lower()
         params.append((snake, ctype.replace(" ", ""), optional))
     return params
@@ -45,7 +49,10 @@ def problems(op, args, entry):
     if [a for a, _ in args] != [p for p, _, _ in params]:
         found.append(f"argument order {[a for a, _ in args]} != {[p for p, _, _ in params]}")
     for (arg, kind), (_, ctype, optional) in zip(args, params):
-        if kind in ("tensor", ABSENT):
+        if kind == HOST:
+            if ctype != "aclIntArray*":
+                found.append(f"'{arg}': the kernel takes {ctype}, the binding passes a host array")
+        elif kind in ("tensor", ABSENT):
             if ctype == "aclIntArray*":
                 found.append(f"'{arg}': the kernel takes a host aclIntArray, the binding passes a "
                              f"device tensor")
@@ -76,11 +83,11 @@ def test_binding_matches_prototype(kernel):
     assert problems(op, impl.binding.args, BOUND[kernel]) == []
 
 
-@pytest.mark.parametrize("kernel", sorted(BOUND))
+@pytest.mark.parametrize("kernel", sorted(impl.binding.kernel for _, impl in CUSTOM))
 def test_registration_is_what_mindspore_generates_from_the_header(kernel):
     # MindSpore 2.10 builds the call from the installed header when it finds it, else from the
     # registration: both must give the prototype's types, and the generator must accept them
-    op, impl = next((op, impl) for op, impl in ACLNN if impl.binding.kernel == kernel)
+    op, impl = next((op, impl) for op, impl in CUSTOM if impl.binding.kernel == kernel)
     info = _impls.aclnn_reg_info(op, impl.binding)
     header = prototype_types(BOUND[kernel])
     generator = CustomCodeGenerator()
@@ -118,14 +125,20 @@ def test_checks_find_the_known_mismatches():
         "'eps': registered as float (float), the kernel takes double"]
 
 
-def test_moe_ffn_binds_ffn_v3_not_the_seeds_moe_ffn():
-    assert MOE_FFN.impl("aclnn").binding.kernel == "aclnnFFNV3"
+def test_moe_ffn_binds_ffn_v3_and_the_seeds_moe_ffn_with_host_counts():
+    bound = [(impl.binding.kernel, impl.route, impl.modes) for impl in MOE_FFN.impls
+             if impl.name == "aclnn"]
+    assert bound == [("aclnnFFNV3", "", ("graph",)), ("aclnnFFNV3", "extension", ("pynative",)),
+                     ("aclnnMoeFFN", "extension", ("graph", "pynative"))]
+    moe_ffn = MOE_FFN.impls[3].binding
+    assert dict(moe_ffn.args)["expert_tokens"] == HOST
 
 
 def test_a_list_cannot_be_registered():
-    # an aclIntArray could only be a constant of the graph (docs/ascend.md)
+    # a host list is an input of the operator (`name:host`, the C++ extension route), never an
+    # attribute (a constant of the graph)
     impl = _impls.aclnn("aclnnX", "x, sizes:listInt", socs=("A2",),
-                        dtypes=[("float32", "float32")])
+                        dtypes=[("float32", "float32")])[0]
     with pytest.raises(TypeError, match="'sizes' has type 'listInt'"):
         OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
               impls=(impl,), attrs=(Attr("sizes", str, "a"),))
@@ -134,7 +147,7 @@ def test_a_list_cannot_be_registered():
 def test_every_scalar_type_is_one_mindspore_can_pass():
     for _, impl in ACLNN:
         for _, kind in impl.binding.args:
-            assert kind in ("tensor", ABSENT) or kind in ACLNN_SCALARS
+            assert kind in ("tensor", ABSENT, HOST) or kind in ACLNN_SCALARS
 
 
 class _Recorder:
@@ -225,7 +238,7 @@ def test_dtype_rows_cover_absent_optional_inputs():
 
 def test_binding_declaration_is_checked():
     bad = AclnnBinding("aclnnX", (("k", "int"), ("x", "tensor")), (("float32", "float32"),))
-    impl = _impls.aclnn("aclnnX", "x", socs=("A2",), dtypes=[("float32", "float32")])
+    impl = _impls.aclnn("aclnnX", "x", socs=("A2",), dtypes=[("float32", "float32")])[0]
     with pytest.raises(ValueError, match="tensors before its scalars"):
         OpDef(name="x_op", inputs=("x",), outputs=("y",), infer=None, infer_dtype=None,
               impls=(dataclasses.replace(impl, binding=bad),), attrs=(Attr("k", int, 1),))

@@ -101,3 +101,52 @@ def test_kernels_of_a_library_the_op_api_library_needs(tmp_path):
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib64 / "libopapi.so"), str(source),
                     f"-L{lib64}", "-Wl,--no-as-needed", "-laclnn_moe"], check=True)
     assert _cann.missing_kernel("aclnnMoeGatingTopK", {"ASCEND_HOME_PATH": str(root)}) == ""
+
+
+_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cann_stub")
+# the seed document's layout: one parameter a line
+_SEED_BACKWARD = """
+aclnnStatus aclnnMoeGatingTopKBackwardGetWorkspaceSize(
+  const aclTensor  *xNorm,
+  const aclTensor  *gradY,
+  const aclTensor  *expertIdx,
+  int64_t           renorm,
+  int64_t           normType,
+  double            routedScalingFactor,
+  double            eps,
+  const aclTensor  *out,
+  uint64_t         *workspaceSize,
+  aclOpExecutor   **executor);
+"""
+
+
+def test_prototype_types_of_a_header():
+    assert _cann.prototype_types(_SEED_BACKWARD, "aclnnMoeGatingTopKBackward") == [
+        "aclTensor*", "aclTensor*", "aclTensor*", "int64_t", "int64_t", "double", "double",
+        "aclTensor*", "uint64_t*", "aclOpExecutor**"]
+    assert _cann.prototype_types(_SEED_BACKWARD, "aclnnMoeGatingTopK") is None
+    assert _cann.op_type("aclnnFFNV3") == "FFN" and _cann.op_type("aclnnMoeFFN") == "MoeFFN"
+
+
+@needs_cc
+@pytest.mark.parametrize("release,expected", [("include", ""), ("variants/early950", "declares")])
+def test_a_kernel_whose_installed_header_disagrees_is_unavailable(tmp_path, monkeypatch, release,
+                                                                  expected):
+    from ms_moe_ops.ops import _extension, _impls
+    from ms_moe_ops.ops.swiglu import SWIGLU_GROUP_QUANT_GRAD
+
+    root = tmp_path / "cann"
+    _library(str(root / "lib64" / "libopapi.so"), ["aclnnSwigluGroupQuantGrad"])
+    header = "aclnn_swiglu_group_quant_grad.h"
+    (root / "include" / "aclnnop").mkdir(parents=True)
+    with open(os.path.join(_STUB, release, "aclnnop", header)) as f:
+        (root / "include" / "aclnnop" / header).write_text(f.read())
+    for name in ("ASCEND_OPP_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_CUSTOM_OPP_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ASCEND_HOME_PATH", str(root))
+    _cann.unavailable.cache_clear()
+    binding = SWIGLU_GROUP_QUANT_GRAD.impl("aclnn").binding
+    why = _cann.unavailable(binding.kernel, _extension.header_name(binding.kernel),
+                            _impls.prototype_types(binding), "ascend950")
+    _cann.unavailable.cache_clear()
+    assert (expected in why) if expected else why == ""

@@ -120,11 +120,11 @@ def test_custom_primitives_are_refused_off_linux_by_a_check_of_their_own(monkeyp
 
 
 def test_a_custom_primitive_cannot_take_run_time_host_integers():
-    # Why aclnnMoeFFN is not bound (docs/ascend.md): its expert counts are a host aclIntArray,
-    # and a Custom primitive declares no input whose value is read on the host at run time, so
-    # counts computed in the graph (TensorToTuple) fail in a backend pass, where a constant tuple
-    # gets through to kernel selection. The day MindSpore takes the run-time tuple, this fails:
-    # then aclnnMoeFFN can be bound.
+    # Why aclnnMoeFFN goes through the C++ extension route, not ops.Custom (docs/ascend.md): its
+    # expert counts are a host aclIntArray, and a Custom primitive declares no input whose value
+    # is read on the host at run time, so counts computed in the graph (TensorToTuple) fail in a
+    # backend pass, where a constant tuple gets through to kernel selection. The day MindSpore
+    # takes the run-time tuple, this fails: then ops.Custom could bind it too.
     from mindspore.ops import CustomRegOp, DataType
 
     reg = (CustomRegOp("aclnnMsMoeOpsCanary").input(0, "x", "required")
@@ -159,7 +159,8 @@ def test_a_custom_primitive_cannot_take_run_time_host_integers():
         ms.set_context(mode=ms.PYNATIVE_MODE)
     assert "user defined function path" in messages["constant"], messages["constant"][:500]
     assert "Tuple to TupleUnfold" in messages["run_time"], (
-        "a Custom primitive may now take run-time host integers: aclnnMoeFFN can be bound "
+        "a Custom primitive may now take run-time host integers: aclnnMoeFFN could be bound "
+        "through ops.Custom too "
         f"(what MindSpore said: {messages['run_time'][:500]})")
 
 

@@ -35,7 +35,7 @@ def _apply(op, inputs, attrs, mode="pynative", dtype="float32"):
 # one case per operator compiled in GRAPH mode too (each compilation costs seconds)
 GRAPH_CASES = ["router_groups_top2", "router_backward", "router_softmax_backward", "router_grad",
                "swiglu", "swiglu_backward", "activation_grad_gelu", "moe_ffn_gelu_cumulative",
-               "grouped_matmul", "permute", "unpermute", "unpermute_backward"]
+               "grouped_matmul", "permute", "unpermute", "unpermute_backward", "cast"]
 
 
 @pytest.mark.parametrize("case,mode", [(c, "pynative") for c in sorted(CASES)] +

@@ -61,6 +61,8 @@ for path in lib.MsMoeOpsIsaPaths().decode().split():  # every path, each on the 
     out[path + "/gmm"] = mo.grouped_matmul(f32(gx_), f32(rng.normal(size=(3, 96, 80))), counts).asnumpy()
     out[path + "/gmm_tx"] = mo.grouped_matmul(bf(gx_), bf(rng.normal(size=(700, 80))), counts,
                                       transpose_x=True).astype(ms.float32).asnumpy()
+    out[path + "/gmm_bf16"] = mo.grouped_matmul(bf(gx_), bf(rng.normal(size=(3, 96, 80))),
+                                                counts).astype(ms.float32).asnumpy()
     w1, w2 = rng.normal(size=(3, 96, 64)) * 0.1, rng.normal(size=(3, 64, 96)) * 0.1
     out[path + "/ffn"] = mo.moe_ffn(bf(gx_), counts, bf(w1), bf(w2)).astype(ms.float32).asnumpy()
     gh, a = FFN_ACTIVATION_GRAD(f32(rng.normal(size=(700, 64))), f32(rng.normal(size=(700, 64))),

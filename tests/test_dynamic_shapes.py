@@ -10,6 +10,7 @@ from mindspore import Tensor, nn
 from ms_moe_ops import (GatingTopK, MoELayer, MoeFFN, grouped_matmul, moe_ffn, moe_gating_top_k,
                         moe_gating_top_k_backward, moe_token_permute, moe_token_unpermute,
                         moe_token_unpermute_backward, swiglu_group, swiglu_group_quant_grad)
+from ms_moe_ops.ops import cast
 from ms_moe_ops.ops.gating import GATING_GRAD
 from conftest import DEVICE, FnCell, kernels_missing, needs_kernels, numpy, tensor
 
@@ -147,6 +148,7 @@ def _ops(rng):
         "moe_token_unpermute_top_k": (_unpermute_top_k, unpermuted_rows, [{0}, {0}], (0,)),
         "moe_token_unpermute_backward": (moe_token_unpermute_backward, unpermute_grad, [{0}] * 4,
                                          None),
+        "cast": (_to_bfloat16, lambda t: (_normal(rng, t, H),), [{0}], None),
     }
 
 
@@ -169,6 +171,10 @@ def _grouped_transpose_x(x, y, counts):
 
 def _permute(x, idx):
     return moe_token_permute(x, idx, E)
+
+
+def _to_bfloat16(x):
+    return cast(x, ms.bfloat16)
 
 
 def _unpermute_top_k(permuted, sorted_index):

@@ -15,6 +15,8 @@ LAYERS = {"_compat": set(), "reference": set(), "ops": {"_compat", "ops"},
           "convert": {"_compat", "ops", "nn", "models", "convert"},
           # `python -m ms_moe_ops.info`: a report of the whole package, imported by nothing
           "info": {"_compat", "ops", "nn", "parallel", "models", "convert", "reference"},
+          # `python -m ms_moe_ops.selftest`: the device self-test, imported by nothing
+          "selftest": {"_compat", "ops", "nn", "reference"},
           "__init__": {"nn", "ops", "parallel", "reference", "models", "convert"}}
 
 

@@ -96,6 +96,7 @@ CLASSES = {
     "grouped_matmul.transpose_weight": _flag(),
     "grouped_matmul.cumulative": _flag(),
     "grouped_matmul.padded": _flag(),
+    "cast.dtype": _members("float32", "float16", "bfloat16"),
     "moe_token_permute.num_experts": {"given": lambda v: v >= 1},
     "moe_token_unpermute.top_k": {"0 (from probs)": lambda v: v == 0, ">0": lambda v: v > 0},
     "moe_token_unpermute.with_probs": _flag(),

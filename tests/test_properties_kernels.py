@@ -18,6 +18,7 @@ from mindspore import Tensor  # noqa: E402
 from ms_moe_ops import (grouped_matmul, moe_ffn, moe_gating_top_k, moe_token_permute,  # noqa: E402
                         moe_token_unpermute, reference as ref)
 from ms_moe_ops.ops import OPERATORS  # noqa: E402
+from ms_moe_ops.ops.cast import CAST  # noqa: E402
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD  # noqa: E402
 from ms_moe_ops.ops.gating import GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD  # noqa: E402
 from ms_moe_ops.ops.permute import UNPERMUTE_BACKWARD  # noqa: E402
@@ -83,7 +84,7 @@ def test_every_operator_has_a_property():
     covered = {"moe_gating_top_k", "moe_gating_top_k_backward", "moe_gating_top_k_softmax_backward",
                "moe_gating_top_k_grad", "swiglu_group", "swiglu_group_quant_grad", "moe_ffn",
                "moe_ffn_activation_grad", "grouped_matmul", "moe_token_permute",
-               "moe_token_unpermute", "moe_token_unpermute_backward"}
+               "moe_token_unpermute", "moe_token_unpermute_backward", "cast"}
     assert {op.name for op in OPERATORS} == covered
 
 
@@ -417,3 +418,32 @@ def test_permute_unpermute_and_backward(case, implementation):
     agree(d_rows, e_rows, dtype)
     size = ref.moe_token_unpermute_backward(np.abs(rows), golden[1], probs, np.abs(g), top_k=top_k)[1]
     agree(d_probs, e_probs, pd if probs is not None else "float32", size=size, terms=h)
+
+
+# -- cast -----------------------------------------------------------------------------------------
+
+@st.composite
+def cast_cases(draw):
+    # sizes around the vectors and the threads' blocks (4096 elements; parallel past 16 of them)
+    shape = draw(st.one_of(st.tuples(WIDTHS), st.tuples(st.integers(1, 3), near(4096)),
+                           st.just((17, 4097))))
+    return shape, draw(DTYPES), draw(DTYPES), draw(SEEDS)
+
+
+@given(case=cast_cases())
+@examples(20)
+def test_cast(case, implementation):
+    shape, source, target, seed = case
+    rng = data(seed)
+    x = rng.normal(size=shape) * 2.0 ** rng.integers(-30, 30, shape)
+    special = rng.random(shape) < 0.1  # zeros, infinities, NaN, float16's limits and subnormals
+    x[special] = rng.choice([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 1e5, 3e-5,
+                             6e-8, -1e-40, 1.00390625, 1.005859375], special.sum())
+    x = rounded(x, source)
+    out = numpy(CAST(tensor(x, source), dtype=target))
+    assert str(out.dtype) == ("float32" if target == "bfloat16" else target)
+    got, want = out.astype(np.float32), ref.cast(x, target).astype(np.float32)
+    # bitwise (-0 stays -0), NaN stays NaN: every element is one rounding to nearest-even
+    number = ~np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), ~number)
+    np.testing.assert_array_equal(got.view(np.uint32)[number], want.view(np.uint32)[number])

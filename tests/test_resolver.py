@@ -4,6 +4,8 @@ override, the log, the cache key, and the README's Ascend table against the same
 import functools
 import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -74,8 +76,8 @@ SELECTION = [
      "aclnnMoeGatingTopK exists on A2, GRAPH mode"),
     (GATING_TOP_K, A3_GRAPH, ROUTER, dict(k=8, renorm=1), "aclnn",
      "sigmoid: renorm is sent as 0, which the kernel supports"),
-    (GATING_TOP_K, A2_PYNATIVE, ROUTER, dict(k=8), "composition",
-     "PyNative's custom path takes tensors only: no aclnn"),
+    (GATING_TOP_K, A2_PYNATIVE, ROUTER, dict(k=8), "aclnn",
+     "PyNative: aclnnMoeGatingTopK through the C++ extension"),
     (GATING_TOP_K, GRAPH_950, ROUTER, dict(k=8), "aclnn",
      "CANN documents aclnnMoeGatingTopK on 950 too"),
     (GATING_TOP_K, GRAPH_950, ROUTER, dict(k=8, norm_type=0), "composition",
@@ -102,7 +104,7 @@ SELECTION = [
     (GATING_TOP_K, ("Ascend", "", "graph", None), ROUTER, dict(k=8), "composition",
      "SoC not known yet: nothing SoC-specific"),
     (GATING_BACKWARD, A2_GRAPH, ROUTER_BWD, {}, "aclnn", "aclnnMoeGatingTopKBackward on A2"),
-    (GATING_BACKWARD, A2_PYNATIVE, ROUTER_BWD, {}, "composition", "PyNative: no aclnn"),
+    (GATING_BACKWARD, A2_PYNATIVE, ROUTER_BWD, {}, "aclnn", "PyNative: the C++ extension"),
     (GATING_BACKWARD, GRAPH_950, ROUTER_BWD, {}, "aclnn",
      "CANN documents aclnnMoeGatingTopKBackward on 950 too"),
     (GATING_SOFTMAX_BACKWARD, A2_GRAPH, ROUTER_BWD, {}, "composition", "Ascend has no kernel"),
@@ -113,25 +115,26 @@ SELECTION = [
     (SWIGLU_GROUP, CPU_GRAPH, SWIGLU, {}, "kernel", "the CPU kernel on CPU"),
     (SWIGLU_GROUP_QUANT_GRAD, GRAPH_950, SWIGLU_BWD, dict(clamp_limit=7.0), "aclnn",
      "aclnnSwigluGroupQuantGrad exists on 950 only"),
-    (SWIGLU_GROUP_QUANT_GRAD, PYNATIVE_950, SWIGLU_BWD, {}, "composition", "PyNative: no aclnn"),
+    (SWIGLU_GROUP_QUANT_GRAD, PYNATIVE_950, SWIGLU_BWD, {}, "aclnn",
+     "PyNative: the C++ extension"),
     (SWIGLU_GROUP_QUANT_GRAD, A2_GRAPH, SWIGLU_BWD, {}, "composition", "not on A2/A3"),
     (MOE_FFN, A2_GRAPH, ffn_sig("float16"), {}, "aclnn", "float16: aclnnFFNV3"),
     (MOE_FFN, A2_GRAPH, ffn_sig("float16"), dict(tokens_index_flag=True, padded=True), "aclnn",
      "cumulative and padded: aclnnFFNV3"),
     (MOE_FFN, A2_GRAPH, ffn_sig("bfloat16"), {}, "composition",
      "aclnnFFNV3 documents bfloat16 for Atlas A2 inference products only"),
-    (MOE_FFN, A2_PYNATIVE, ffn_sig("float16"), {}, "builtin",
-     "PyNative: MindSpore's FFN (aclnnFFN), a built-in"),
+    (MOE_FFN, A2_PYNATIVE, ffn_sig("float16"), {}, "aclnn",
+     "PyNative: aclnnFFNV3 through the C++ extension"),
     (MOE_FFN, A2_PYNATIVE, ffn_sig("bfloat16"), {}, "composition",
      "bfloat16 in PyNative trains composed"),
-    (MOE_FFN, A3_GRAPH, ffn_sig("float16"), {}, "composition", "aclnnFFN(V3): Atlas A2 only"),
+    (MOE_FFN, A3_GRAPH, ffn_sig("float16"), {}, "aclnn", "the FFN kernels are built for A3 too"),
     (MOE_FFN, A2_GRAPH, ffn_sig("float32"), dict(activation="gelu"), "composition",
      "float32 trains composed"),
     (MOE_FFN, A2_GRAPH, ffn_sig("float16", h=65536), {}, "composition",
      "aclnnFFN(V3) needs H < 65536"),
     (MOE_FFN, GRAPH_950, ffn_sig("float16"), {}, "composition", "no FFN kernel on 950"),
     (MOE_FFN, A2_GRAPH, ffn_sig("int8"), {}, "aclnn", "int8 with float16 output: aclnnFFNV3"),
-    (MOE_FFN, A2_PYNATIVE, ffn_sig("int8"), {}, "builtin", "int8 in PyNative: aclnnFFN"),
+    (MOE_FFN, A2_PYNATIVE, ffn_sig("int8"), {}, "aclnn", "int8 in PyNative: aclnnFFNV3"),
     (MOE_FFN, CPU_GRAPH, ffn_sig("int8"), dict(output_dtype="bfloat16"), "kernel",
      "the CPU kernel has every output dtype"),
     (GROUPED_MATMUL, A2_GRAPH, GMM, {}, "builtin", "MindSpore's grouped matmul"),
@@ -242,8 +245,10 @@ def test_forced_choice_surfaces_its_errors_automatic_choice_falls_back():
         choice(GATING_TOP_K, forced(A2_GRAPH, "aclnn"), big, k=8, group_count=128)
     with pytest.raises(ValueError, match="runs on Ascend only"):
         choice(GATING_TOP_K, forced(CPU_GRAPH, "aclnn"), ROUTER, k=8)
-    with pytest.raises(ValueError, match="runs in graph mode only"):
-        choice(GATING_TOP_K, forced(A2_PYNATIVE, "aclnn"), ROUTER, k=8)
+    # in PyNative mode the forced aclnn kernel is the one of the C++ extension route
+    pynative = _op.choose(GATING_TOP_K, tuple(GATING_TOP_K.resolve(k=8).items()),
+                          forced(A2_PYNATIVE, "aclnn"), ROUTER)
+    assert (pynative.name, pynative.route) == ("aclnn", "extension")
     with pytest.raises(ValueError, match="the int8 path has no composition"):
         choice(MOE_FFN, forced(CPU_GRAPH, "composition"), ffn_sig("int8"))
 
@@ -327,9 +332,11 @@ def test_attribute_cache_keeps_an_int_and_a_float_apart():
 
 def test_a_fallback_is_logged_with_its_reasons(caplog):
     with caplog.at_level(logging.INFO, logger="ms_moe_ops"):
-        choice(GATING_TOP_K, A2_PYNATIVE, ROUTER, k=8, eps=1e-12)
+        choice(GATING_TOP_K, A2_PYNATIVE, sig(("float32", (4, 2048)), None), k=8,
+               group_count=128, eps=1e-12)
     assert ("moe_gating_top_k: composition on Ascend A2, pynative mode; passed over: aclnn "
-            "(runs in graph mode only)") in caplog.text
+            "(runs in graph mode only); aclnn (experts per group aligned up to 32 (32) x "
+            "group_count (128) = 4096 > 2048)") in caplog.text
 
 
 def test_the_preferred_choice_is_logged_at_debug(caplog):
@@ -342,10 +349,11 @@ def test_the_preferred_choice_is_logged_at_debug(caplog):
 @pytest.mark.parametrize("field,other", [(0, "CPU"), (1, "ascend310p"), (2, "pynative"),
                                          (3, "composition")])
 def test_cache_key_holds_target_soc_mode_and_override(field, other):
-    key = list(A2_GRAPH)
-    assert choice(GATING_TOP_K, tuple(key), ROUTER, k=8) == "aclnn"
+    key, attrs = list(A2_GRAPH), tuple(GATING_TOP_K.resolve(k=8).items())
+    first = _op.choose(GATING_TOP_K, attrs, tuple(key), ROUTER)
+    assert first.name == "aclnn"
     key[field] = other
-    assert choice(GATING_TOP_K, tuple(key), ROUTER, k=8) != "aclnn"
+    assert _op.choose(GATING_TOP_K, attrs, tuple(key), ROUTER) is not first
 
 
 def test_platform_is_read_from_mindspore():
@@ -431,6 +439,18 @@ def test_docs_table_is_generated_from_the_declarations():
     assert implementation_table.with_table(text) == text, (
         "docs/ascend.md's implementation table is stale: run python tools/implementation_table.py "
         "--write")
+
+
+def test_docs_table_is_the_same_on_a_bare_host():
+    # the table is a function of the declarations alone: generated in a fresh process whose
+    # environment names no CANN (no kernel installed, no SoC), it is still the committed one
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ASCEND", "MS_MOE_OPS"))}
+    env["PYTHONPATH"] = root
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "implementation_table.py"),
+                          "--check"], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("op,platform,signature,attrs,expected,why", SELECTION,

@@ -2,6 +2,10 @@
 
     python tools/implementation_table.py          # prints it
     python tools/implementation_table.py --write  # writes it between the markers of docs/ascend.md
+    python tools/implementation_table.py --check  # exit status 1 when docs/ascend.md's differs
+
+The table depends on the declarations alone (where each implementation runs), never on what is
+installed here: the same on a host with or without CANN.
 """
 import os
 import sys
@@ -25,5 +29,12 @@ if __name__ == "__main__":
             text = f.read()
         with open(DOC, "w", encoding="utf-8") as f:
             f.write(with_table(text))
+    elif "--check" in sys.argv[1:]:
+        with open(DOC, encoding="utf-8") as f:
+            text = f.read()
+        if with_table(text) != text:
+            print("docs/ascend.md's implementation table differs from the declarations': run "
+                  "python tools/implementation_table.py --write")
+            sys.exit(1)
     else:
         print(ascend_table())

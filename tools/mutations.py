@@ -431,7 +431,7 @@ MUTATIONS = [
          tests=['tests/test_resolver.py', 'tests/test_arguments.py', 'tests/test_option_matrix.py', 'tests/test_properties_kernels.py', 'tests/test_properties_contracts.py', 'tests/test_properties_resolver.py', 'tests/test_infer_shape.py'],
          what='the attribute cache is not typed: k=2.0 hits the entry of k=2 and escapes the int check'),
     dict(id='res-built-cache-key', file='ms_moe_ops/ops/_op.py',
-         original='key = (op, impl.name, attr_items)',
+         original='key = (op, impl, attr_items)',
          replacement='key = (op, op.name, attr_items)',
          tests=['tests/test_resolver.py', 'tests/test_option_matrix.py', 'tests/test_properties_kernels.py', 'tests/test_properties_contracts.py', 'tests/test_properties_resolver.py', 'tests/test_infer_shape.py'],
          what="the built-operator cache is keyed by the op's name, not the implementation's: a forced implementation reuses the one built first"),

@@ -559,6 +559,30 @@ Case activation_grad(Gen &g) {
   return c;
 }
 
+Case cast(Gen &g) {
+  Case c;
+  c.kernel = "Cast";
+  const char *from = g.pick(kFloats, 3), *to = g.pick(kFloats, 3);
+  std::vector<int64_t> shape = {g.size(0, 30), g.size(0, 40)};
+  if (g.chance(20)) shape.pop_back();
+  if (g.chance(10)) shape = {g.size(16 * 4096, 17 * 4096 + 5)};  // past the threads' blocks
+  c.inputs = {{"x", g.floats(from, shape, 1e5)}};
+  c.outputs = {{"y", harness::zeros(to, shape)}};
+  c.set_str("dtype", to);
+  if (!g.chance(35)) return c;
+  auto &y = c.outputs[0].second;
+  if (g.chance(30)) {  // not a float dtype: refused
+    y = g.ints(g.chance(50) ? "int32" : "int64", y.shape, 0, 0);
+    c.what = "dtype of y";
+  } else {  // (another float dtype is a valid cast: only shapes and ranks break it)
+    const bool rank = g.chance(50);
+    y = reshaped(g, y, rank);
+    c.what = rank ? "rank of y" : "shape of y";
+  }
+  c.broken = true;
+  return c;
+}
+
 Case permute(Gen &g) {
   Case c;
   c.kernel = "MoeTokenPermute";
@@ -664,6 +688,7 @@ const std::vector<KernelGen> &generators() {
       {"MoeTokenPermute", permute},
       {"MoeTokenUnpermute", [](Gen &g) { return unpermute(g, false); }},
       {"MoeTokenUnpermuteBackward", [](Gen &g) { return unpermute(g, true); }},
+      {"Cast", cast},
   };
   return all;
 }

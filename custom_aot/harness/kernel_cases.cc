@@ -282,6 +282,18 @@ void conversions(Runner &r) {
     attrs.set_int("top_k", 1);
     r.run(std::string("rounding_") + dt, "MoeTokenUnpermute", {&permuted, &sorted, &p}, {{"out", &out}}, attrs);
   }
+  // the cast kernel between every pair of float dtypes, on the same values (ties of both 16-bit
+  // formats; past the threads' blocks of 4096): bitwise equal everywhere
+  std::vector<double> many;
+  for (int r2 = 0; r2 < 17; ++r2) many.insert(many.end(), probs.begin(), probs.end());
+  const int64_t n = static_cast<int64_t>(many.size());
+  for (const char *from : kFloatTypes)
+    for (const char *to : kFloatTypes) {
+      Tensor x = from_values(from, {n}, many), y = zeros(to, {n});
+      Attrs attrs;
+      attrs.set_str("dtype", to);
+      r.run(std::string("rounding_cast_") + from + "_" + to, "Cast", {&x}, {{"y", &y}}, attrs);
+    }
 }
 
 }  // namespace

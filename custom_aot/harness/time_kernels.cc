@@ -3,11 +3,13 @@
 // README's benchmark shapes. For comparing builds; the benchmarks/ scripts compare against other
 // implementations.
 //
-//   time_kernels [--rounds N] [--only WORD] [--csv FILE] LABEL=LIBRARY[:PATH] ...
+//   time_kernels [--rounds N] [--only WORD] [--csv FILE] LABEL=LIBRARY[:PATH][,NAME=VALUE...] ...
 //   time_kernels old=../main/ms_moe_ops/_kernels.so new=ms_moe_ops/_kernels.so
 //                new-avx2=ms_moe_ops/_kernels.so:avx2
+//   time_kernels onednn=ms_moe_ops/_kernels.so,MS_MOE_OPS_ONEDNN=.../libdnnl.so.3
+//                blas=ms_moe_ops/_kernels.so,MS_MOE_OPS_ONEDNN=0
 //
-// PATH sets MS_MOE_OPS_ISA for that contender's calls; --only keeps the cases whose name holds
+// PATH sets MS_MOE_OPS_ISA for that contender's calls, NAME=VALUE other variables; --only keeps the cases whose name holds
 // WORD. Prints each case's median time per contender and its ratio to the first contender;
 // --csv also writes "case,contender,median_ms" rows (benchmarks/bench_isa.py reads them).
 #include <algorithm>
@@ -26,6 +28,7 @@ using harness::zeros;
 
 struct Contender {
   std::string label, path;
+  std::vector<std::pair<std::string, std::string>> env;
   std::unique_ptr<harness::Library> lib;
 };
 
@@ -103,6 +106,18 @@ std::vector<Case> cases() {
           ->set_str("activation", "fastgelu").set_bool("tokens_index_flag", false);
     }
   }
+  // grouped_matmul at the MoE layer's shape (bench_layer.py: T*K = 16384 rows, 16 experts,
+  // H = 2F = 512): the forward product and the weight gradient's
+  for (const char *dt : {"float32", "bfloat16"}) {
+    const int64_t m = 16384, k = 512, n = 512, g = 16;
+    Tensor counts = from_values("int64", {g}, std::vector<double>(g, m / g));
+    add(std::string("grouped_matmul ") + dt, "GroupedMatmul",
+        {random(rng, dt, {m, k}), random(rng, dt, {g, k, n}, 0.05), counts, none, zeros(dt, {m, n})})
+        ->set_bool("transpose_x", false).set_bool("transpose_weight", false).set_bool("cumulative", false);
+    add(std::string("grouped_matmul dW ") + dt, "GroupedMatmul",
+        {random(rng, dt, {m, k}), random(rng, dt, {m, n}), counts, none, zeros(dt, {g, k, n})})
+        ->set_bool("transpose_x", true).set_bool("transpose_weight", false).set_bool("cumulative", false);
+  }
   {  // MoeFFN's activation backward, M=4096, F=2048
     const int64_t m = 4096, f = 2048;
     add("activation grad float32", "MoeFFNActivationGrad",
@@ -164,14 +179,25 @@ int main(int argc, char **argv) {
       std::fprintf(csv, "case,contender,median_ms\n");
       continue;
     }
-    const size_t eq = arg.find('='), colon = arg.rfind(':');
+    const size_t eq = arg.find('=');
     if (eq == std::string::npos) {
-      std::fprintf(stderr, "usage: %s [--rounds N] [--only WORD] [--csv FILE] LABEL=LIBRARY[:PATH] ...\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--rounds N] [--only WORD] [--csv FILE] LABEL=LIBRARY[:PATH][,NAME=VALUE...] ...\n", argv[0]);
       return 2;
     }
-    const bool has_path = colon != std::string::npos && colon > eq;
-    const std::string file = arg.substr(eq + 1, has_path ? colon - eq - 1 : std::string::npos);
-    contenders.push_back({arg.substr(0, eq), has_path ? arg.substr(colon + 1) : "",
+    // ",NAME=VALUE" settings after the library (and path)
+    std::vector<std::pair<std::string, std::string>> env;
+    std::string spec = arg.substr(eq + 1);
+    for (size_t comma; (comma = spec.rfind(',')) != std::string::npos;) {
+      const std::string setting = spec.substr(comma + 1);
+      const size_t e = setting.find('=');
+      if (e == std::string::npos) break;
+      env.emplace_back(setting.substr(0, e), setting.substr(e + 1));
+      spec = spec.substr(0, comma);
+    }
+    const size_t colon = spec.rfind(':');
+    const bool has_path = colon != std::string::npos;
+    const std::string file = spec.substr(0, has_path ? colon : std::string::npos);
+    contenders.push_back({arg.substr(0, eq), has_path ? spec.substr(colon + 1) : "", env,
                           std::make_unique<harness::Library>(file)});
   }
   if (contenders.empty()) return 2;
@@ -185,6 +211,9 @@ int main(int argc, char **argv) {
       for (size_t i = 0; i < contenders.size(); ++i) {
         if (contenders[i].path.empty()) unsetenv("MS_MOE_OPS_ISA");
         else setenv("MS_MOE_OPS_ISA", contenders[i].path.c_str(), 1);
+        for (auto &other : contenders)  // (a variable another contender sets is unset here)
+          for (auto &setting : other.env) unsetenv(setting.first.c_str());
+        for (auto &[name, value] : contenders[i].env) setenv(name.c_str(), value.c_str(), 1);
         const double s = seconds(*contenders[i].lib, c);
         if (r >= 0) times[i].push_back(s);
       }

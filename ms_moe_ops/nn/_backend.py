@@ -14,7 +14,7 @@ def reshape(x, shape):
     """x.reshape(shape); bfloat16 through float32 (exact), as MindSpore's CPU backend has no
     bfloat16 Reshape in GRAPH mode."""
     if x.dtype == ms.bfloat16:
-        return x.astype(ms.float32).reshape(shape).astype(ms.bfloat16)
+        return moe_ops.cast(moe_ops.cast(x, ms.float32).reshape(shape), ms.bfloat16)
     return x.reshape(shape)
 
 

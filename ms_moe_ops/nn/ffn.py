@@ -60,7 +60,7 @@ register_expert_kind(ExpertKind("swiglu", swiglu_experts, width=2, clamps=True))
 
 
 def _cast(bias, dtype):
-    return None if bias is None else bias.astype(dtype)
+    return None if bias is None else moe_ops.cast(bias, dtype)
 
 
 class MoeFFN(SelfCastingCell):
@@ -135,14 +135,15 @@ class MoeFFN(SelfCastingCell):
         checked("MoeFFN", "expert_tokens", expert_tokens, ("[{}]",),
                 self.num_experts, ("int64",))
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
-        y = self._forward(x.astype(dtype), expert_tokens, self.weight1.astype(dtype),
-                          _cast(self.bias1, dtype), self.weight2.astype(dtype),
+        y = self._forward(moe_ops.cast(x, dtype), expert_tokens, moe_ops.cast(self.weight1, dtype),
+                          _cast(self.bias1, dtype), moe_ops.cast(self.weight2, dtype),
                           _cast(self.bias2, dtype), self.activation, self.clamp_limit,
                           self.padded)
         if row_weight is not None:
             checked("MoeFFN", "row_weight", row_weight, ("[M]", "[M, 1]"))
             rows = same_rows("MoeFFN", "row_weight", row_weight, "x", x)  # 0: used, so checked
-            y = (y.astype(ms.float32) * row_weight.astype(ms.float32).reshape(-1, 1 + rows)).astype(dtype)
+            y = moe_ops.cast(moe_ops.cast(y, ms.float32) *
+                             moe_ops.cast(row_weight, ms.float32).reshape(-1, 1 + rows), dtype)
         return y
 
     def extend_repr(self):

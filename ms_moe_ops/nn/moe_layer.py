@@ -7,6 +7,7 @@ import mindspore as ms
 from mindspore import Parameter, ops
 from mindspore.common.initializer import Uniform, initializer
 
+from ..ops import cast
 from ._backend import Fork, project, reshape, rows_of
 from ._checks import TOKENS, checked, config_of, int_arg
 from ._precision import SelfCastingCell, register_opaque_to_rewrite
@@ -56,16 +57,17 @@ class SharedExperts(SelfCastingCell):
         checked("SharedExperts", "x", x, ("[T, {}]",), self.hidden_size)
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
         # one group: [1, H, 2F] and [1, F, H], reshaped in float32 (the CPU backend has no
-        # bfloat16 Reshape in GRAPH mode)
-        w1 = self.weight1.astype(ms.float32).reshape((1,) + self.weight1.shape).astype(dtype)
-        w2 = self.weight2.astype(ms.float32).reshape((1,) + self.weight2.shape).astype(dtype)
+        # bfloat16 Reshape in GRAPH mode); the casts are the package's (fast on the CPU)
+        w1 = cast(cast(self.weight1, ms.float32).reshape((1,) + self.weight1.shape), dtype)
+        w2 = cast(cast(self.weight2, ms.float32).reshape((1,) + self.weight2.shape), dtype)
+        if self.gate is None:
+            return swiglu_experts(cast(x, dtype), rows_of(x), w1, None, w2, None, "swiglu", 0.0,
+                                  True)
         # x once, in float32: with the gate its two gradients add up in float32 (no bfloat16 AddN)
-        x = x.astype(ms.float32)
-        y = swiglu_experts(x.astype(dtype), rows_of(x), w1, None, w2, None, "swiglu", 0.0, True)
-        if self.gate is not None:
-            g = ops.sigmoid(project(x, self.gate.astype(ms.float32).reshape(1, -1)))
-            y = (y.astype(ms.float32) * g).astype(dtype)
-        return y
+        x = cast(x, ms.float32)
+        y = swiglu_experts(cast(x, dtype), rows_of(x), w1, None, w2, None, "swiglu", 0.0, True)
+        g = ops.sigmoid(project(x, cast(self.gate, ms.float32).reshape(1, -1)))
+        return cast(cast(y, ms.float32) * g, dtype)
 
 
 class MoELayer(SelfCastingCell):
@@ -181,16 +183,20 @@ class MoELayer(SelfCastingCell):
         dtype = hidden.dtype if self.compute_dtype is None else self.compute_dtype
         # the tokens in float32, once: the gradients of their consumers add up in float32 (the
         # CPU backend has no bfloat16 AddN), in one order on every path (Fork)
-        tokens = self.fork(hidden.astype(ms.float32).reshape(-1, width))
+        # (the check above runs before the cast's own dtype check: GRAPH mode runs it when its
+        # value is used)
+        tokens = self.fork(cast(ops.depend(hidden, width), ms.float32).reshape(-1, width))
         # the router sees the sequences ([B, S, H]) for its sequence-wise loss
         weights, expert_idx = self.router(tokens[0].reshape(shape))
         if self.capacity is not None:  # the pairs past an expert's capacity: weight 0, expert E
             weights, expert_idx = self.capacity(weights, expert_idx)
-        rows, counts, route = self.dispatcher.dispatch(tokens[1].astype(dtype), expert_idx)
+        rows, counts, route = self.dispatcher.dispatch(cast(tokens[1], dtype), expert_idx)
         out = self.dispatcher.combine(self.experts(rows, counts), weights, route)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens[2].astype(dtype))
-        return reshape(out, shape)
+            # added in float32, rounded once (MindSpore's CPU Add of bfloat16 is slow too)
+            shared = self.shared_experts(cast(tokens[2], dtype))
+            out = cast(cast(out, ms.float32) + cast(shared, ms.float32), dtype)
+        return out if len(shape) == 2 else reshape(out, shape)
 
 
 register_opaque_to_rewrite(GatingTopK, MoeFFN, SharedExperts, MoELayer)

@@ -1,4 +1,5 @@
 """Functional API: every operator of the package (declarations and kernels: one module each)."""
+from .cast import CAST, cast
 from .ffn import FFN_ACTIVATION_GRAD, MOE_FFN, moe_ffn
 from .gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD, GATING_TOP_K,
                      moe_gating_top_k, moe_gating_top_k_backward)
@@ -12,7 +13,7 @@ from ._op import record_choices  # noqa: F401 (ms_moe_ops.ops.record_choices)
 # the README's implementation table go through.
 OPERATORS = (GATING_TOP_K, GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_GRAD, SWIGLU_GROUP,
              SWIGLU_GROUP_QUANT_GRAD, MOE_FFN, FFN_ACTIVATION_GRAD, GROUPED_MATMUL, PERMUTE,
-             UNPERMUTE, UNPERMUTE_BACKWARD)
+             UNPERMUTE, UNPERMUTE_BACKWARD, CAST)
 
 __all__ = [
     "moe_gating_top_k", "moe_gating_top_k_backward",

@@ -13,12 +13,25 @@ Where MindSpore 2.10 looks (its op-api loader): every `$ASCEND_CUSTOM_OPP_PATH` 
 process loaded libascendcl.so from). A kernel is installed when one library, with the libraries
 of its own directory it needs, exports both `aclnnX` and `aclnnXGetWorkspaceSize`; the symbol
 tables are read from the files (ELF .dynsym and DT_NEEDED), nothing is loaded.
+
+Two more checks, because a symbol is not enough (`kernel_missing`):
+- the prototype: MindSpore types a call from the installed header (its Custom route parses
+  `aclnnop/aclnn_<snake>.h`; the C++ extension route compiles against it), and headers change
+  between releases (aclnnSwigluGroupQuantGrad's groupIndexOptional was an aclIntArray in early
+  Ascend 950 releases, an aclTensor later). The binding's C types must be the header's.
+- the SoC: the op-info files of the installed CANN
+  (`opp/built-in/op_impl/ai_core/tbe/config/<soc>/aic-<soc>-ops-info.json`, keyed by operator type)
+  say which SoC a kernel is built for; a symbol exported for every SoC can still lack the kernel
+  of this one (one revision of aclnnMoeGatingTopKBackward's document lists Ascend 950 as
+  unsupported).
 """
 import configparser
 import functools
 import glob
+import json
 import mmap
 import os
+import re
 import struct
 
 ROOT_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
@@ -150,3 +163,93 @@ def missing_kernel(kernel, environ=None):
 def kernel_missing(kernel):
     """missing_kernel for this process's environment, found once."""
     return missing_kernel(kernel)
+
+
+def header_paths(kernel, header, environ=None):
+    """Where the installed CANN keeps the header of `kernel`, in MindSpore's search order
+    (custom op-api directories, vendors by load priority, the toolkit's include/aclnnop)."""
+    environ = os.environ if environ is None else environ
+    folders = [os.path.join(e, "op_api", "include")
+               for e in filter(None, environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(os.pathsep))]
+    for root in roots(environ):
+        vendors = os.path.join(root, "opp", "vendors")
+        folders += [os.path.join(vendors, v, "op_api", "include")
+                    for v in _vendor_priority(os.path.join(vendors, "config.ini"))]
+        folders.append(os.path.join(root, "include", "aclnnop"))
+    return [os.path.join(f, header) for f in folders if os.path.isfile(os.path.join(f, header))]
+
+
+def prototype_types(text, kernel):
+    """The parameter types of `aclnnStatus <kernel>GetWorkspaceSize(...)` in a header's text,
+    const and spaces removed ('aclTensor*', 'int64_t', ...), or None when it is not declared."""
+    match = re.search(r"\baclnnStatus\s+" + re.escape(kernel) + r"GetWorkspaceSize\s*\((.*?)\)\s*;",
+                      text, re.S)
+    if match is None:
+        return None
+    types = []
+    for param in match.group(1).split(","):
+        param = re.sub(r"\bconst\b", " ", param).strip()
+        found = re.match(r"([A-Za-z_]\w*)\s*(\**)", param)
+        types.append(found.group(1) + found.group(2) if found else param)
+    return types
+
+
+def header_mismatch(kernel, header, types, environ=None):
+    """'' when the installed header of `kernel` declares `types` (the C types a binding passes,
+    outputs, workspaceSize and executor included), else why not; '' too when no header is
+    installed (MindSpore's Custom route then types the call from the registration)."""
+    for path in header_paths(kernel, header, environ):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                declared = prototype_types(f.read(), kernel)
+        except OSError:
+            continue
+        wanted = [t.replace(" ", "").replace("const", "") for t in types]
+        if declared is not None and declared != wanted:
+            return (f"the installed header {path} declares {kernel}GetWorkspaceSize({', '.join(declared)}), "
+                    f"the binding passes ({', '.join(wanted)})")
+        if declared is not None:
+            return ""
+    return ""
+
+
+def op_type(kernel):
+    """The operator type of an aclnn API: aclnnMoeGatingTopK -> MoeGatingTopK, aclnnFFNV3 -> FFN."""
+    return re.sub(r"V\d+$", "", kernel[len("aclnn"):] if kernel.startswith("aclnn") else kernel)
+
+
+def soc_op_info(soc_version, environ=None):
+    """{operator type} the installed CANN's op-info files list for a SoC (the short name MindSpore
+    reads, e.g. ascend950), or None when the installation has none for it (nothing to go by)."""
+    found, any_file = set(), False
+    for root in roots(environ):
+        pattern = os.path.join(root, "opp", "built-in", "op_impl", "ai_core", "tbe", "**",
+                               soc_version.lower(), "*ops-info*.json")
+        for path in glob.glob(pattern, recursive=True):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    found |= set(json.load(f))
+                any_file = True
+            except (OSError, ValueError):
+                continue
+    return found if any_file else None
+
+
+def soc_mismatch(kernel, soc_version, environ=None):
+    """'' unless the installed CANN's op-info files for `soc_version` leave out `kernel`'s
+    operator type."""
+    if not soc_version:
+        return ""
+    listed = soc_op_info(soc_version, environ)
+    if listed is None or op_type(kernel) in listed:
+        return ""
+    return (f"the installed CANN's op-info for {soc_version} does not list {op_type(kernel)} "
+            f"(the kernel is not built for this SoC)")
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable(kernel, header="", types=(), soc_version=""):
+    """Why the installed CANN cannot run `kernel` here, or '': the symbols, the header's prototype
+    (when `types` are given), the SoC's op-info (when `soc_version` is)."""
+    return (missing_kernel(kernel) or (header_mismatch(kernel, header, types) if types else "")
+            or soc_mismatch(kernel, soc_version))

@@ -1,18 +1,23 @@
 """The four kinds of implementation an OpDef declares, and how each is built.
 
 - kernel(symbol): this package's C++ CPU kernel, a Custom AOT primitive with the OpDef's bprop.
-- aclnn(name, args, socs, ...): a CANN aclnn kernel through a Custom AOT primitive and its
-  CustomRegOp (GRAPH mode only: MindSpore's PyNative custom path takes tensors only, at most 12).
+- aclnn(name, args, socs, ...): a CANN aclnn kernel: through a Custom AOT primitive and its
+  CustomRegOp in GRAPH mode, through the C++ extension (CustomOpBuilder) in PyNative mode (where
+  MindSpore's custom path takes tensors only, at most 12) and for host arguments.
 - builtin(build, socs, ...): a MindSpore built-in primitive for Ascend.
 - composition(build): MindSpore ops only, so it runs on every device.
 """
+import os
+import shutil
+
 from mindspore import ops
 from mindspore.ops import DataType
 
-from . import _cann, _platform
+from .. import _compat
+from . import _cann, _extension, _platform
 from ._checks import dtype_name, to_mstype
 from ._library import kernel_library, kernel_library_missing  # noqa: F401 (also used from here)
-from ._op import ABSENT, ACLNN, BUILTIN, COMPOSITION, KERNEL, AclnnBinding, Impl
+from ._op import ABSENT, ACLNN, BUILTIN, COMPOSITION, HOST, KERNEL, AclnnBinding, Impl
 
 _PY_KINDS = {"int": int, "bool": bool, "float": float, "double": float, "str": str}
 
@@ -33,16 +38,21 @@ def kernel(symbol):
         return _star(prim)
 
     return Impl(KERNEL, build, target="CPU", grad="self", available=kernel_library_missing,
-                about=f"this package's C++ kernel {symbol}")
+                about=f"this package's C++ kernel {symbol}", symbol=symbol)
 
 
 def aclnn(name, args, socs, dtypes, supports=None, scalars=None, around=None, fixed=()):
-    """An aclnn kernel called through ops.Custom (GRAPH mode; only when the installed CANN has it).
+    """An aclnn kernel, only when the installed CANN has it (symbol, header prototype, SoC):
+    two implementations named "aclnn", one per route. GRAPH mode: an `ops.Custom` primitive and
+    its CustomRegOp (MindSpore generates the call from the header). PyNative mode, and GRAPH too
+    for a kernel with a `host` argument: the C++ extension generated from this declaration
+    (`_extension`: CustomOpBuilder, `AclnnOpRunner` in PyNative, an `AclnnKernelMod` in GRAPH).
 
     args: the prototype's call arguments in order, outputs excluded: "x, bias, k:int, ...,
     eps:double". Unannotated names are the OpDef's tensor inputs (each once, in the kernel's
-    order), `name?` an optional tensor argument this package leaves out (None), `name:type` a
-    scalar of that reg-info type (ACLNN_SCALARS): one of the OpDef's attributes, or a constant
+    order), `name?` an optional tensor argument this package leaves out (None), `name:host` an
+    input the kernel takes as a host aclIntArray of its values (extension route only), `name:type`
+    a scalar of that reg-info type (ACLNN_SCALARS): one of the OpDef's attributes, or a constant
     of `fixed` ({name: value}). Tensors come before scalars (MindSpore passes a registration's
     inputs before its attributes). dtypes: the dtype combinations the kernel is called with, one
     tuple of names per combination, the OpDef's inputs in its order then outputs (an absent
@@ -52,9 +62,19 @@ def aclnn(name, args, socs, dtypes, supports=None, scalars=None, around=None, fi
     """
     binding = AclnnBinding(name, parse_args(args), tuple(tuple(row) for row in dtypes),
                            tuple(dict(fixed).items()))
+    host = any(kind == HOST for _, kind in binding.args)
 
-    def build(op, attrs):
-        values = dict(attrs, **dict(binding.fixed), **(scalars(attrs) if scalars else {}))
+    def values_of(attrs):
+        return dict(attrs, **dict(binding.fixed), **(scalars(attrs) if scalars else {}))
+
+    def wrapped(call, attrs):
+        if around is None:
+            return call
+        wrap = around(attrs)
+        return lambda inputs: wrap(call, inputs)
+
+    def build_custom(op, attrs):
+        values = values_of(attrs)
         # No bprop on the primitive: MindSpore passes the registered attributes as inputs (after
         # the tensors, in registration order) and would hand a primitive's bprop all of them. The
         # resolver wraps the call in a Cell whose bprop is the OpDef's, on the tensor inputs.
@@ -69,18 +89,64 @@ def aclnn(name, args, socs, dtypes, supports=None, scalars=None, around=None, fi
         def call(inputs):
             return prim(*[None if i is None else inputs[i] for i in order], *trailing)
 
-        if around is None:
-            return call
-        wrap = around(attrs)
+        return wrapped(call, attrs)
 
-        def wrapped(inputs):
-            return wrap(call, inputs)
+    def build_extension(op, attrs):
+        fn = _extension.function(op, binding, "Ascend")
+        return wrapped(extension_call(op, binding, attrs, values_of(attrs), fn), attrs)
 
-        return wrapped
+    def available():
+        return _cann.unavailable(name, _extension.header_name(name), prototype_types(binding),
+                                 _compat.ascend_soc_version() or "")
 
-    return Impl(ACLNN, build, target="Ascend", socs=tuple(socs), modes=(_platform.GRAPH,),
-                supports=supports, binding=binding,
-                available=lambda: _cann.kernel_missing(name), about=name)
+    def fits(static):
+        def check(a, args_, soc):
+            if static and any(d < 0 for info in args_.values() if info is not None for d in info.shape):
+                return False, "the shape is only known at run time (the extension takes static shapes)"
+            return supports(a, args_, soc) if supports else (True, "")
+        return check
+
+    ext = Impl(ACLNN, build_extension, target="Ascend", socs=tuple(socs),
+               modes=(_platform.GRAPH, _platform.PYNATIVE) if host else (_platform.PYNATIVE,),
+               supports=fits(True), binding=binding, available=lambda: available() or extension_missing(),
+               about=name, route="extension")
+    if host:
+        return (ext,)
+    custom = Impl(ACLNN, build_custom, target="Ascend", socs=tuple(socs), modes=(_platform.GRAPH,),
+                  supports=supports, binding=binding, available=available, about=name)
+    return (custom, ext)
+
+
+def prototype_types(binding):
+    """The C types a binding's call passes (outputs, workspace size and executor included)."""
+    return tuple(_extension.C_TYPES[k] for _, k in binding.args) + \
+        ("aclTensor *",) * binding.outputs + ("uint64_t *", "aclOpExecutor **")
+
+
+def extension_missing():
+    """'' when MindSpore can build the C++ extension here, else why not."""
+    if not os.environ.get("ASCEND_OPP_PATH"):
+        return "ASCEND_OPP_PATH is not set (source CANN's set_env.sh): CustomOpBuilder needs it"
+    if shutil.which("ninja") is None:
+        return "ninja is not installed (pip install ninja): CustomOpBuilder builds with it"
+    return ""
+
+
+def extension_call(op, binding, attrs, values, fn):
+    """f(inputs) calling an extension function: the OpDef's inputs, its attributes and fixed
+    values (as the kernel takes them), and the output shapes and dtypes its inference gives."""
+    # evaluated in Python while a graph is built (a constant of the graph, as static shapes are)
+    spec_of = _extension.out_spec(*infer_fns(op, attrs, op.inputs,
+                                             dtype_rows(op, binding.dtypes), binding.kernel))
+    trailing = tuple(values[n] for n, kind in _extension.arguments(op, binding)
+                     if kind not in ("tensor", "optional", "spec"))
+
+    def call(inputs):
+        shapes = [None if x is None else x.shape for x in inputs]
+        dtypes = [None if x is None else x.dtype for x in inputs]
+        return fn(spec_of(shapes, dtypes), *trailing, *inputs)
+
+    return call
 
 
 def builtin(build, socs, primitive, kernel, supports=None, grad="op"):

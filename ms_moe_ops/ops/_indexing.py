@@ -6,12 +6,14 @@ tensor_scatter_elements, whose reduction Ascend does not support and whose CPU k
 concurrent updates), and no IndexAdd: it writes into its first input, and in a GRAPH-mode graph
 MindSpore folds equal zero buffers into one constant, so two index adds into "fresh" zeros of one
 shape came out added together. Counts and inverses come from sorts (exact integers); a sum at
-indices is mint.index_add on Ascend (IndexAddExt: aclnnIndexAdd, a new output) and a one-hot
+indices is IndexAddExt on Ascend (aclnnIndexAdd, int64 indices, a new output) and a one-hot
 product elsewhere (its CPU has no IndexAddExt kernel; CPU compositions run only without this
 package's kernels, on small batches).
 """
+import functools
+
 import mindspore as ms
-from mindspore import mint, ops
+from mindspore import ops
 
 from .. import _compat
 from . import _platform
@@ -66,10 +68,18 @@ def stable_order(keys):
 
 def _index_add_per_row(shape_like, index, values):
     n = shape_like.shape[-1]
-    rows = ops.cumsum(ops.ones_like(index[:, :1]), 0) - 1               # [M, 1]: 0, 1, ..
-    flat = (rows * n + index).reshape(-1).astype(ms.int32)
+    rows = ops.cumsum(ops.ones_like(index[:, :1]).astype(ms.int64), 0) - 1  # [M, 1]: 0, 1, ..
+    # int64: rows * n + index passes 2^31 once M * N does (aclnnIndexAdd takes int64 indices)
+    flat = (rows * n + index.astype(ms.int64)).reshape(-1)
     target = ops.zeros_like(shape_like).astype(ms.float32).reshape(-1)
-    return mint.index_add(target, 0, flat, values.reshape(-1)).reshape(shape_like.shape)
+    return _index_add()(target, 0, flat, values.reshape(-1), 1).reshape(shape_like.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _index_add():
+    """IndexAddExt (aclnnIndexAdd: int64 indices), not mint.index_add, which on CPU picks the
+    legacy IndexAdd (int32 indices only)."""
+    return _compat.auto_generate("IndexAddExt")()
 
 
 def _one_hot_per_row(shape_like, index, values):

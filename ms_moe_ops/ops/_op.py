@@ -48,6 +48,9 @@ ACLNN_SCALARS = {"int": "int64_t", "bool": "bool", "float": "float", "double": "
                  "str": "char*"}
 # a kernel's optional tensor argument this package never passes (always nullptr)
 ABSENT = "absent"
+# an input the kernel takes as a host aclIntArray of its values (C++ extension route only)
+HOST = "host"
+_TENSORS = ("tensor", ABSENT, HOST)
 
 
 @dataclass(frozen=True)
@@ -93,11 +96,16 @@ class AclnnBinding(NamedTuple):
     @property
     def tensors(self):
         """The tensor arguments (present and absent), in the kernel's order."""
-        return tuple(arg for arg, kind in self.args if kind in ("tensor", ABSENT))
+        return tuple(arg for arg, kind in self.args if kind in _TENSORS)
 
     @property
     def scalars(self):
-        return tuple((arg, kind) for arg, kind in self.args if kind not in ("tensor", ABSENT))
+        return tuple((arg, kind) for arg, kind in self.args if kind not in _TENSORS)
+
+    @property
+    def outputs(self):
+        """How many outputs the kernel writes (its dtype rows: the OpDef's inputs, then them)."""
+        return len(self.dtypes[0]) - sum(kind in ("tensor", HOST) for _, kind in self.args)
 
 
 class TensorInfo(NamedTuple):
@@ -127,7 +135,9 @@ class Impl:
     warn: a cost worth knowing (e.g. "G times the flops"): logged at WARNING whenever the
     resolver chooses this implementation by itself.
     about: what it calls, in a few words (the implementation tables of docs/ and of
-    `python -m ms_moe_ops.info` show it).
+    `python -m ms_moe_ops.info` show it). symbol: the CPU kernel's symbol (kernel only).
+    route: "extension" for an aclnn kernel called through the C++ extension (CustomOpBuilder),
+    "" for one called through ops.Custom.
     """
     name: str
     build: Callable
@@ -140,6 +150,8 @@ class Impl:
     available: Optional[Callable] = None
     warn: str = ""
     about: str = ""
+    symbol: str = ""
+    route: str = ""
 
     def __post_init__(self):
         if self.name not in IMPL_NAMES:
@@ -185,9 +197,13 @@ class OpDef:
     bprop: Optional[Callable] = None
 
     def __post_init__(self):
-        names = [impl.name for impl in self.impls]
+        # a name may repeat across routes (the aclnn kernel through ops.Custom in GRAPH mode,
+        # through the C++ extension in PyNative mode) but not within one target and mode
+        names = [(impl.name, impl.target, mode, tuple(impl.socs or ()), impl.about)
+                 for impl in self.impls for mode in impl.modes]
         if not names or len(set(names)) != len(names):
-            raise ValueError(f"{self.name}: impls must name each implementation once, got {names}")
+            raise ValueError(f"{self.name}: impls must name each implementation once per mode, "
+                             f"got {[impl.name for impl in self.impls]}")
         for impl in self.impls:
             if impl.binding is not None:
                 _check_binding(self, impl.binding)
@@ -203,9 +219,13 @@ class OpDef:
             self.check_attrs(attrs)
         return attrs
 
-    def impl(self, name):
-        """The implementation called `name`, or None."""
-        return next((impl for impl in self.impls if impl.name == name), None)
+    def impl(self, name, target=None, soc=None, mode=None):
+        """The first implementation called `name` (that runs on target, soc and mode when they
+        are given), or None."""
+        found = [impl for impl in self.impls if impl.name == name]
+        if mode is not None:
+            found = [impl for impl in found if not impl.elsewhere(target, soc, mode)] or found
+        return found[0] if found else None
 
     def __call__(self, *inputs, **kwargs):
         """Applies the operator: inputs in declaration order (None for absent optional ones)."""
@@ -218,11 +238,11 @@ def _check_binding(op, binding):
     crossable types that are attributes or fixed values, and gives a dtype for every input and
     output."""
     kernel, args = binding.kernel, binding.args
-    present = [arg for arg, kind in args if kind == "tensor"]
+    present = [arg for arg, kind in args if kind in ("tensor", HOST)]
     if sorted(present) != sorted(op.inputs):
         raise ValueError(f"{op.name}: the {kernel} binding must pass the inputs {op.inputs} "
                          f"once each, got {tuple(present)}")
-    if [kind in ("tensor", ABSENT) for _, kind in args] != \
+    if [kind in _TENSORS for _, kind in args] != \
             [True] * len(binding.tensors) + [False] * len(binding.scalars):
         raise ValueError(f"{op.name}: the {kernel} binding must list its tensors before its "
                          f"scalars, got {args}")
@@ -331,7 +351,7 @@ def choose(op, attr_items, platform, signature):
         raise ValueError(f"{_platform.IMPL_ENV} must be one of {IMPL_NAMES}, got {forced!r}")
     attrs, args = dict(attr_items), describe(op, signature)
     validate(op, attrs, args)
-    forced_impl = op.impl(forced) if forced else None
+    forced_impl = op.impl(forced, target, soc, mode) if forced else None
     if forced_impl is not None:
         why = forced_impl.unavailable(target, soc, mode) or _refusal(forced_impl, attrs, args, soc)
         if why:
@@ -388,7 +408,7 @@ _FORWARDS = []  # the callables _WithBprop Cells run, by index
 def built(op, impl, attr_items):
     """(implementation name, callable) of one implementation for one attribute set (built
     once)."""
-    key = (op, impl.name, attr_items)
+    key = (op, impl, attr_items)
     if key not in _BUILT:
         attrs = dict(attr_items)
         fn = impl.build(op, attrs)

@@ -27,7 +27,7 @@ from ._checks import FLOATS, attr_error, check_dtype, check_range, check_same_dt
     check_shape, dims
 from ._impls import aclnn, builtin, composition, kernel
 from ._op import Attr, OpDef
-from ._platform import A2
+from ._platform import A2, A3
 from .grouped_matmul import cover_every_row, group_sum, grouped_matmul
 
 _OP = "moe_ffn"
@@ -257,6 +257,40 @@ _FFN_V3_DTYPES = [
      for dq in ("uint64", "float32")]
 
 
+# The seed's aclnnMoeFFN (older CANN releases; absent from current operator sources): expert
+# counts as a host aclIntArray (a host copy of E int64 per call, read as a value-depend input in
+# GRAPH mode), activation "fastgelu" only, float16 and int8 (uint64 dequant scales) x.
+_MOE_FFN = ("x, expert_tokens:host, weight1, bias1, weight2, bias2, scale, offset, deq_scale1, "
+            "deq_scale2, activation:str")
+_MOE_FFN_DTYPES = [
+    ("float16", "int64", "float16", "float16", "float16", "float16") + _NO_QUANT + ("float16",),
+    ("int8", "int64", "int8", "int32", "int8", "int32", "float32", "float32", "uint64", "uint64",
+     "float16")]
+
+
+def _moe_ffn_fits(a, args, soc):
+    if a["activation"] != "fastgelu":
+        return False, f"the kernel computes fastgelu only, got activation={a['activation']!r}"
+    if args["x"].dtype == "int8" and args["deq_scale1"] is not None and \
+            args["deq_scale1"].dtype != "uint64":
+        return False, "the kernel takes uint64 dequant scales only"
+    return _ascend_ffn_fits(a, args, ("float16", "int8"))
+
+
+def _counts_covered(a):
+    """_every_row_covered for a kernel that takes counts: cumulative ends become counts first."""
+    covering = _every_row_covered(dict(a, tokens_index_flag=False))
+    cumulative = a["tokens_index_flag"]
+
+    def wrap(call, inputs):
+        tokens = inputs[1]
+        if cumulative:
+            tokens = tokens - ops.concat((ops.zeros((1,), dtype=ms.int64), tokens[:-1]))
+        return covering(call, (inputs[0], tokens) + tuple(inputs[2:]))
+
+    return wrap
+
+
 MOE_FFN = OpDef(
     name=_OP,
     inputs=("x", "expert_tokens", "weight1", "bias1", "weight2", "bias2", "scale", "offset",
@@ -270,10 +304,13 @@ MOE_FFN = OpDef(
     infer_dtype=_infer_dtype,
     impls=(
         kernel("MoeFFN"),
-        aclnn("aclnnFFNV3", _FFN_V3, socs=(A2,), dtypes=_FFN_V3_DTYPES, fixed={"inner_precise": 0},
-              supports=lambda a, args, soc: _ascend_ffn_fits(a, args, ("float16", "int8")),
-              around=_every_row_covered),
-        builtin(_ffn_builtin, socs=(A2,), primitive="FFNExt", kernel="aclnnFFN",
+        *aclnn("aclnnFFNV3", _FFN_V3, socs=(A2, A3), dtypes=_FFN_V3_DTYPES,
+               fixed={"inner_precise": 0},
+               supports=lambda a, args, soc: _ascend_ffn_fits(a, args, ("float16", "int8")),
+               around=_every_row_covered),
+        *aclnn("aclnnMoeFFN", _MOE_FFN, socs=(A2,), dtypes=_MOE_FFN_DTYPES, supports=_moe_ffn_fits,
+               around=_counts_covered),
+        builtin(_ffn_builtin, socs=(A2, A3), primitive="FFNExt", kernel="aclnnFFN",
                 supports=lambda a, args, soc: _ascend_ffn_fits(a, args, ("float16", "int8"))),
         composition(_ffn_composed, supports=_float_only),
     ),
@@ -309,15 +346,17 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         differentiable with respect to x, weight1, bias1, weight2 and bias2; asking for the
         quant path's gradient raises RuntimeError.
 
-    Ascend: on Atlas A2 in GRAPH mode float16 and int8 (float16 output) run aclnnFFNV3 (the
-    expert counts stay on the device), in PyNative mode float16 and int8 run
-    MindSpore's built-in FFN (aclnnFFN, whose expert counts are copied to the host on every
-    call); float32 and bfloat16 (documented for Atlas A2 inference products only), and every
-    dtype on Atlas A3 and Ascend 950 (which have neither kernel), run grouped_matmul and the
-    activation. The Ascend kernels do not check that the counts cover every row (the rows they
-    do not cover are left as they are). int8 with another output_dtype raises
+    Ascend: on Atlas A2 and A3, float16 and int8 (float16 output) run aclnnFFNV3 (the expert
+    counts stay on the device; GRAPH mode through ops.Custom, PyNative through the C++
+    extension), else the seed's aclnnMoeFFN where the installed CANN has it (fastgelu; its counts
+    are copied to the host each call), else MindSpore's built-in FFN (aclnnFFN, host counts too);
+    float32 and bfloat16 (documented for Atlas A2 inference products only), and every dtype on
+    Ascend 950 (no FFN kernel), run grouped_matmul and the activation. The kernels need counts
+    that cover every row (aclnnFFN's CheckExpertTokens rejects a sum != M): a padded batch's
+    rows past the last expert are handed to it and masked out of y. int8 with another output_dtype raises
     NotImplementedError on Ascend. Both FFN kernels are non-deterministic unless MindSpore's
-    deterministic mode is on (`ms.set_context(deterministic="ON")`).
+    deterministic mode is on (`ms.set_deterministic(True)`; `set_context(deterministic=...)` is
+    deprecated in MindSpore 2.10).
     """
     return MOE_FFN(x, expert_tokens, weight1, bias1, weight2, bias2, scale, offset, deq_scale1,
                    deq_scale2, activation=activation, tokens_index_flag=tokens_index_flag,

@@ -205,7 +205,7 @@ GATING_TOP_K = OpDef(
     infer_dtype=_infer_router_dtype,
     impls=(
         kernel("MoeGatingTopK"),
-        aclnn("aclnnMoeGatingTopK",
+        *aclnn("aclnnMoeGatingTopK",
               "x, bias, k:int, k_group:int, group_count:int, group_select_mode:int, renorm:int, "
               "norm_type:int, out_flag:bool, routed_scaling_factor:double, eps:double",
               socs=(A2, A3, ASCEND_950), dtypes=[(t, t, t, "int32", "float32") for t in FLOATS],
@@ -312,7 +312,7 @@ GATING_BACKWARD = OpDef(
     infer_dtype=_backward_infer("moe_gating_top_k_backward", 2)[1],
     impls=(
         kernel("MoeGatingTopKBackward"),
-        aclnn("aclnnMoeGatingTopKBackward",
+        *aclnn("aclnnMoeGatingTopKBackward",
               "x_norm, grad_y, expert_idx, renorm:int, norm_type:int, "
               "routed_scaling_factor:double, eps:double",
               socs=(A2, A3, ASCEND_950), dtypes=[("float32", "float32", "int32", "float32")],

@@ -248,7 +248,7 @@ SWIGLU_GROUP_QUANT_GRAD = OpDef(
         kernel("SwigluGroupQuantGrad"),
         # groupIndexOptional is an aclTensor in the generated header (the seed text's aclIntArray
         # is wrong); clampLimit is a double, and "off" reaches the kernel as ACLNN_CLAMP_OFF
-        aclnn("aclnnSwigluGroupQuantGrad", "grad_y, x, weight, y_origin, group_index, "
+        *aclnn("aclnnSwigluGroupQuantGrad", "grad_y, x, weight, y_origin, group_index, "
               "clamp_limit:double", socs=(ASCEND_950,),
               dtypes=[(t, t, "float32", t, "int64", t, "float32") for t in FLOATS],
               scalars=lambda a: {"clamp_limit": a["clamp_limit"] if a["clamp_limit"] > 0

@@ -12,6 +12,7 @@ from mindspore import ops
 
 from ..nn._precision import SelfCastingCell
 from ..nn.dispatcher import LocalDispatcher
+from ..ops import _platform
 from ..ops._indexing import take_rows
 from .exchange import (AllReduceExchange, AlltoAllExchange, AlltoAllVExchange,
                        BlockAllReduceExchange, GroupGather, inverse_index, transpose_chunks_index)
@@ -68,7 +69,8 @@ class ExpertDispatcher(SelfCastingCell):
         self.padded = isinstance(self.exchange, AllReduceExchange) or self.local.padded
         # the router (and the capacity) count the tokens of every rank that trains the model
         self.count_group = ep.world_group if ep.world_size > 1 else None
-        self.widen_bfloat16 = ms.get_context("device_target") != "Ascend"
+        # through the platform module (as the resolver): the Ascend dry run patches it
+        self.widen_bfloat16 = _platform.device_target() != "Ascend"
 
     def dispatch(self, x, expert_idx):
         dtype = x.dtype
