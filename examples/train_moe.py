@@ -52,6 +52,9 @@ def parse_args(argv=None):
                    help="coefficient of DeepSeek-V3's sequence-wise balance loss (0 = off)")
     p.add_argument("--z-loss", type=float, default=0.0,
                    help="coefficient of the router z-loss (0 = off)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="expert capacity: each expert takes at most ceil(T*K/E*C) of a step's "
+                        "(token, slot) pairs, the rest are dropped (default: dropless)")
     p.add_argument("--eval-every", type=int, default=None,
                    help="validation interval (steps; default: a tenth of the run, at most 100)")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per evaluation")
@@ -163,7 +166,7 @@ def main(argv=None):
     def tensors(batch):
         return ms.Tensor(batch[0], ms.int32), ms.Tensor(batch[1].reshape(-1), ms.int32)
 
-    train_losses, loads, router_losses = [], [], []
+    train_losses, loads, router_losses, dropped = [], [], [], []
     val_points = [(0, val_loss())]
     # per step, all processes
     tokens = args.batch_size * args.seq_len * (1 if ep is None else ep.size)
@@ -176,6 +179,7 @@ def main(argv=None):
         loss = mean_over_ranks(loss, ep)
         router_losses.append(router_loss_values(net))  # this step's, before any evaluation pass
         load = ms_moe_ops.update_expert_bias(net)  # tokens per expert of this step, then rebalance
+        dropped.append(max(ms_moe_ops.dropped_fraction(net)))  # at the capacity, this step
         dt = time.time() - t0
         if first_step_time is None:
             first_step_time = dt  # includes the graph compilation
@@ -186,6 +190,8 @@ def main(argv=None):
         postfix = {"loss": f"{np.mean(train_losses[-10:]):.3f}",
                    "tok/s": f"{tokens / max(dt, 1e-9):.0f}",
                    "imbalance": f"{max(ms_moe_ops.load_imbalance(load)):.2f}"}
+        if args.capacity_factor is not None:
+            postfix["dropped"] = f"{dropped[-1]:.3f}"
         if val_points:
             postfix["val"] = f"{val_points[-1][1]:.3f}"
         for name in losses_on:
@@ -213,6 +219,10 @@ def main(argv=None):
           f"{np.log(data.vocab_size):.3f}")
     print(f"load imbalance (max/mean tokens per expert, per layer): first {window} steps "
           f"{head_imb} -> last {window} steps {tail_imb}")
+    if args.capacity_factor is not None:
+        print(f"pairs dropped at the experts' capacity (largest share over layers): first "
+              f"{window} steps {np.mean(dropped[:window]):.3f} -> last {window} steps "
+              f"{np.mean(dropped[-window:]):.3f}")
     if losses_on:  # with expert parallelism: the first process's tokens
         print("router losses (unscaled, mean over layers): " + ", ".join(
             f"{name} {np.mean([r[name] for r in router_losses[:window]]):.4f} -> "
@@ -279,7 +289,8 @@ def moe_config(args):
     return MoEConfig(args.d_model, args.ffn, args.experts, args.top_k,
                      n_shared_experts=args.shared_experts, score_func=args.router,
                      bias_update_rate=args.bias_update_rate, aux_loss_coeff=args.aux_loss,
-                     seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss)
+                     seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss,
+                     capacity_factor=args.capacity_factor)
 
 
 def mean_over_ranks(value, ep):

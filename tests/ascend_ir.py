@@ -2,6 +2,7 @@
 file `save_graphs` writes), read into nodes a rule can inspect: primitive, arguments, input and
 output types. Enough of the text format of MindSpore 2.10 for the Ascend rules
 (tests/ascend_rules.py); a format change fails loudly in `read_ir` (no node found)."""
+import contextlib
 import glob
 import os
 import re
@@ -139,6 +140,27 @@ def parse_ir(text, package=None) -> Graph:
     return Graph(nodes)
 
 
+@contextlib.contextmanager
+def saving_ir(directory):
+    """GRAPH mode with the compiled IR of what runs inside saved under directory (read_ir reads
+    it), then PyNative mode again. Only the validate pass's IR is written: MindSpore's
+    MS_DEV_DUMP_IR_PASSES picks the passes save_graphs writes (otherwise all hundred of them,
+    which doubles the time of a compilation)."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    previous = os.environ.get("MS_DEV_DUMP_IR_PASSES")
+    os.environ["MS_DEV_DUMP_IR_PASSES"] = "validate"
+    ms.set_context(mode=ms.GRAPH_MODE, save_graphs=1, save_graphs_path=str(directory))
+    try:
+        yield
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE, save_graphs=0)
+        if previous is None:
+            os.environ.pop("MS_DEV_DUMP_IR_PASSES", None)
+        else:
+            os.environ["MS_DEV_DUMP_IR_PASSES"] = previous
+
+
 def read_ir(directory) -> Tuple[Graph, str]:
     """(graph, path) of the last validate IR save_graphs wrote under directory."""
     paths = sorted(glob.glob(os.path.join(directory, "**", "*validate*.ir"), recursive=True),
@@ -185,3 +207,23 @@ def literal(arg):
     if kind == "Bool":
         return value in ("1", "true", "True")
     return float(value) if kind.startswith("F") else int(value)
+
+
+# -- static shapes: every dimension known when the graph is compiled --------------------------
+
+_TENSOR_SHAPE = re.compile(r"Tensor\[\w+\]\]?, \(([-\d, ]*)\)")
+_TUPLE_SHAPE = re.compile(r"TupleShape\(((?:[^()]|\([-\d, ]*\))*)\)")
+
+
+def dynamic_dimensions(text):
+    """The lines of an IR text whose tensor types (a parameter's, a node's inputs' or output's,
+    a tuple's elements) have a dimension or rank known only at run time (-1, -2): [] for a graph
+    with static shapes."""
+    found = []
+    for line in text.splitlines():
+        shapes = _TENSOR_SHAPE.findall(line)
+        for inner in _TUPLE_SHAPE.findall(line):
+            shapes += re.findall(r"\(([-\d, ]*)\)", inner)
+        if any(int(d) < 0 for shape in shapes for d in shape.split(",") if d.strip()):
+            found.append(line.strip())
+    return found

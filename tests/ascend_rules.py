@@ -326,6 +326,22 @@ def _alltoallv(graph, soc):
             yield f"{node.where()}: bool is not supported"
 
 
+def _alltoall(graph, soc):
+    for node in graph.of("AlltoAll"):
+        count = re.search(r"split_count: I64\((\d+)\)", node.attrs)
+        dim = re.search(r"split_dim: I64\((-?\d+)\)", node.attrs)
+        shape = shape_of(node.inputs[0])
+        if not (count and dim and shape):
+            yield f"{node.where()}: split_count, split_dim and the input's shape not found"
+            continue
+        size = shape[int(dim.group(1))]
+        if size < 0:
+            yield f"{node.where()}: the split dimension must be known at compile time, got {shape}"
+        elif size % int(count.group(1)):
+            yield (f"{node.where()}: the split dimension ({size}) must be a multiple of "
+                   f"split_count ({count.group(1)})")
+
+
 RULES = (
     Rule("gmm-grouped-reduction", ("GroupedMatmulV4",),
          "CANN aclnnGroupedMatmulV4: with groupType 2 x must be transposed and non-contiguous and "
@@ -397,4 +413,8 @@ RULES = (
     Rule("alltoallv", ("AlltoAllV",),
          "MindSpore 2.10 ops.AlltoAllV: a flattened input; no bool on Ascend",
          _alltoallv, expected=lambda soc, dtype: False),
+    Rule("alltoall", ("AlltoAll",),
+         "MindSpore 2.10 ops.AlltoAll: the input split into split_count equal blocks along "
+         "split_dim (y_split_dim = x_split_dim / split_count)",
+         _alltoall, expected=lambda soc, dtype: False),
 )

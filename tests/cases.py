@@ -5,7 +5,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import ParameterTuple, Tensor, nn, ops
 
-from ms_moe_ops import MoELayer, moe_ffn, reference as ref, reset_expert_load, update_expert_bias
+from ms_moe_ops import (MoELayer, dropped_fraction, moe_ffn, reference as ref, reset_expert_load,
+                        update_expert_bias)
 from ms_moe_ops.ops import ffn, gating, permute, swiglu
 from ms_moe_ops.ops.cast import CAST
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
@@ -235,6 +236,82 @@ def train(layer, x, target, train_step):
         losses.append(float(step(Tensor(x), Tensor(target)).asnumpy()))
         update_expert_bias(layer)
     result = {"loss": np.array(losses)}
+    result.update({"weights/" + k: v for k, v in weights_of(layer).items()})
+    return result
+
+
+# -- expert parallelism inside data parallelism ---------------------------------------------------
+# 4 ranks = 2 expert-parallel groups ({0, 1}, {2, 3}) x 2 data-parallel replicas ({0, 2}, {1, 3}):
+# tests/ep_dp_worker.py on each rank (tests/test_parallel_dp.py launches it, once on 4 workers and
+# once as two "nodes" of 2), against one process taking the global batch.
+
+DP_RANKS = 4
+DP_EP_SIZE = 2
+DP_TOKENS = 4  # per rank
+DP_CONFIGS = {
+    "dropless": dict(ffn_hidden_size=6, num_experts=4, top_k=2, n_shared_experts=1),
+    # capacity 2 of each rank's 8 (token, slot) pairs per expert: drops, static shapes
+    "capacity": dict(ffn_hidden_size=6, num_experts=4, top_k=2, capacity_factor=1.0,
+                     pad_to_capacity=True),
+}
+DP_RUNS = (("dropless", "graph"), ("capacity", "graph"), ("dropless", "pynative"),
+           ("capacity", "pynative"))
+DP_STEPS = 3
+
+
+def dp_layer(config_name, expert_parallel=None):
+    return MoELayer(EP_HIDDEN, **DP_CONFIGS[config_name], bias_update_rate=BIAS_UPDATE_RATE,
+                    expert_parallel=expert_parallel)
+
+
+def dp_weights(config_name):
+    """{name: numpy} of the single-process layer (routers far from ties, zero state)."""
+    rng = np.random.default_rng(4)
+    return {name: (rng.normal(0, 0.6 if "router" in name else 0.4, p.shape) if p.requires_grad
+                   else p.asnumpy()).astype(np.float32)
+            for name, p in dp_layer(config_name).parameters_and_names()}
+
+
+def dp_batches():
+    """[(x, target)] per step, [DP_RANKS * DP_TOKENS, EP_HIDDEN] float32 each: rank r has rows
+    [r * DP_TOKENS, (r + 1) * DP_TOKENS)."""
+    rng = np.random.default_rng(5)
+    shape = (DP_RANKS * DP_TOKENS, EP_HIDDEN)
+    return [tuple(rng.normal(0, 1, shape).astype(np.float32) for _ in range(2))
+            for _ in range(DP_STEPS)]
+
+
+class ChunkedLoss(nn.Cell):
+    """The mean over `chunks` equal parts of the batch of the MSE of layer(part): the loss of
+    one process doing what ranks that each take one part do (an expert capacity counts the
+    tokens of one call)."""
+
+    def __init__(self, layer, chunks):
+        super().__init__()
+        self.layer = layer
+        self.chunks = chunks
+        self.mse = nn.MSELoss()
+
+    def construct(self, x, target):
+        n = x.shape[0] // self.chunks
+        total = 0.0
+        for c in range(self.chunks):
+            total = total + self.mse(self.layer(x[c * n:(c + 1) * n]),
+                                     target[c * n:(c + 1) * n])
+        return total / self.chunks
+
+
+def dp_train(layer, batches, network, train_step):
+    """DP_STEPS steps of SGD with a bias update after each: {"loss": [...], "dropped": [...],
+    "weights/<name>": ...}; network(layer) is the loss network, train_step(net, opt) the step."""
+    reset_expert_load(layer)
+    step = train_step(network(layer), nn.SGD(layer.trainable_params(), learning_rate=LEARNING_RATE))
+    losses, dropped = [], []
+    for x, target in batches:
+        losses.append(float(step(Tensor(x), Tensor(target)).asnumpy()))
+        update_expert_bias(layer)
+        dropped.append(dropped_fraction(layer)[0])
+    result = {"loss": np.array(losses), "dropped": np.array(dropped)}
     result.update({"weights/" + k: v for k, v in weights_of(layer).items()})
     return result
 

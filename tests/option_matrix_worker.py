@@ -1,6 +1,7 @@
 """One rank of tests/test_option_matrix.py::test_on_two_processes (msrun, 2 processes, CPU): the
 environment msrun(env=...) gave it, ExpertParallel's options, an expert-parallel MoELayer with the
-training losses on, and one ExpertParallelTrainStep per (reduction, sens); saves OUT/rank<r>.npz.
+training losses on, one ExpertParallelTrainStep per (reduction, sens), and one step of
+ExpertParallel(size=1) (data parallelism alone); saves OUT/rank<r>.npz.
 `single_process()` computes, in one process, what each rank must get.
 
     msrun --worker_num=2 ... tests/option_matrix_worker.py OUT
@@ -86,6 +87,12 @@ def single_process():
                     g, w = g[r * e:(r + 1) * e], w[r * e:(r + 1) * e]
                 scale = sens / case.RANKS if reduction == "mean" else sens
                 expected[f"step/{reduction}/{name}"] = w - LEARNING_RATE * scale * g
+        # ExpertParallel(size=1): every rank all experts, data parallelism alone: the mean of the
+        # ranks' gradients of every parameter
+        for name, w in weights.items():
+            if name in per_rank[0]:
+                g = sum(p[name] for p in per_rank) / case.RANKS
+                expected[f"data_parallel/{name}"] = w - LEARNING_RATE * g
         out.append(expected)
     return out
 
@@ -138,6 +145,15 @@ def main(out_dir):
         step(Tensor(x), Tensor(target))
         for p in net.trainable_params():
             result[f"step/{reduction}/{_unwrapped(p.name)}"] = p.asnumpy()
+    alone = ExpertParallel(size=1)  # data parallelism alone: every expert on every rank
+    assert (alone.size, alone.data_size, alone.world_size) == (1, case.RANKS, case.RANKS)
+    net = MoELayer(case.EP_HIDDEN, **OPTIONS, expert_parallel=alone)
+    case.load_weights(net, full)
+    step = ExpertParallelTrainStep(nn.WithLossCell(net, nn.MSELoss()),
+                                   nn.SGD(net.trainable_params(), learning_rate=LEARNING_RATE), alone)
+    step(Tensor(x), Tensor(target))
+    for p in net.trainable_params():
+        result[f"data_parallel/{_unwrapped(p.name)}"] = p.asnumpy()
     np.savez(os.path.join(out_dir, f"rank{r}.npz"), **result)
 
 

@@ -1,8 +1,10 @@
 """The expert-parallel layer's training step as MindSpore compiles it for Atlas A2, on two CPU
 processes (msrun): its experts split over the ranks, rows exchanged by AlltoAllV, gradients
-all-reduced by ExpertParallelTrainStep. As in tests/test_ascend_dry_run.py, only the CPU backend
-may refuse (an Ascend kernel: AlltoAllV has no CPU kernel either), and the compiled IR must obey
-the Ascend rules, AlltoAllV's included."""
+all-reduced by ExpertParallelTrainStep; and with the experts padded to their capacity, rows
+exchanged by the fixed-size AlltoAll. As in tests/test_ascend_dry_run.py, only the CPU backend
+may refuse (an Ascend kernel: AlltoAllV and AlltoAll have no CPU kernel either), and the compiled
+IR must obey the Ascend rules, the collectives' included. The dropless step has dimensions known
+only at run time (the rows AlltoAllV brings); the padded one none."""
 import json
 import os
 
@@ -25,3 +27,10 @@ def test_expert_parallel_step_compiles_as_on_ascend(tmp_path):
         assert result["refused"] in ASCEND_ONLY + ("AlltoAllV",), result["error"]
         assert not result["broken"], "\n".join(result["broken"])
         assert {"alltoallv", "gmm-grouped-reduction", "gating-top-k"} <= set(result["applied"])
+        assert result["dynamic"]  # AlltoAllV's rows
+        padded = result["padded"]
+        assert padded["refused"] in ASCEND_ONLY + ("AlltoAll",), padded["error"]
+        assert not padded["broken"], "\n".join(padded["broken"])
+        assert {"alltoall", "gmm-grouped-reduction", "gating-top-k"} <= set(padded["applied"])
+        assert "alltoallv" not in padded["applied"]
+        assert not padded["dynamic"], "\n".join(padded["dynamic"][:10])

@@ -260,6 +260,18 @@ def test_alltoallv():
     assert broken("alltoallv", graph(exchange((64,), "Bool")))
 
 
+def test_alltoall():
+    def exchange(shape, count=2):
+        return node(1, "AlltoAll", ["%0"], [t("Float32", *shape)], t("Float32", *shape),
+                    attrs=f"split_count: I64({count}), split_dim: I64(0), concat_dim: I64(0)")
+
+    assert broken("alltoall", graph(exchange((64, 8)))) == []
+    assert broken("alltoall", graph(exchange((63, 8))))  # not split_count equal blocks
+    assert broken("alltoall", graph(exchange((-1, 8))))  # known only at run time
+    assert broken("alltoall", graph(node(1, "AlltoAll", ["%0"], [t("Float32", 64, 8)],
+                                         t("Float32", 64, 8))))  # attributes not found
+
+
 @pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
 def test_every_rule_has_a_case_here(rule):
     # a rule without a failing case above proves nothing: name it in one

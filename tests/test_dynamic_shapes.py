@@ -230,12 +230,17 @@ CELLS = {
                                  seq_aux_loss_coeff=0.1, z_loss_coeff=0.01),
     "MoELayer-fastgelu": lambda: MoELayer(H, 6, E, K, activation="fastgelu", score_func="softmax",
                                           aux_loss_coeff=0.1),
+    # the capacity from the token count known at run time; padded, the rows per expert too
+    "MoELayer-capacity": lambda: MoELayer(H, 6, E, K, capacity_factor=0.75),
+    "MoELayer-capacity-padded": lambda: MoELayer(H, 6, E, K, capacity_factor=0.75,
+                                                 drop_policy="position", pad_to_capacity=True),
 }
 
 
 # every Cell in every layout in the full run; here the layer in each, the others in one
 _CELL_RUNS_HERE = {("GatingTopK", "B,S,H"), ("MoELayer", "T,H"), ("MoELayer", "B,S,H"),
-                   ("MoELayer", "unknown-rank"), ("MoELayer-fastgelu", "T,H")}
+                   ("MoELayer", "unknown-rank"), ("MoELayer-fastgelu", "T,H"),
+                   ("MoELayer-capacity-padded", "T,H")}
 CELL_RUNS = [pytest.param(name, layout, id=f"{name}-{layout}",
                           marks=() if (name, layout) in _CELL_RUNS_HERE else pytest.mark.slow)
              for name in CELLS for layout in ("T,H", "B,S,H", "unknown-rank")]

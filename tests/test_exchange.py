@@ -9,7 +9,8 @@ import pytest
 from mindspore import Tensor, nn
 
 from ms_moe_ops.nn._precision import SelfCastingCell
-from ms_moe_ops.parallel.exchange import AllReduceExchange, AlltoAllVExchange
+from ms_moe_ops.parallel.exchange import (AllReduceExchange, AlltoAllVExchange,
+                                        BlockAllReduceExchange, GroupGather)
 from conftest import numpy, run
 
 H = 3
@@ -36,21 +37,25 @@ class _World:
 
 
 class _Collective(nn.Cell):
-    """AlltoAllV as rank r sees it in a world: returns `out` whatever it is sent."""
+    """AlltoAllV as rank r sees it in a world: returns `out` whatever it is sent, which must be
+    `sent` elements (None: any) (a reshape to that size fails otherwise)."""
 
-    def __init__(self, out):
+    def __init__(self, out, sent=None):
         super().__init__()
         self.out = Tensor(out)
+        self.sent = sent
 
     def construct(self, flat, send, receive):
-        return self.out
+        if self.sent is not None:
+            flat = flat.reshape((self.sent,))
+        return self.out + 0 * flat.sum()
 
 
 class _Exchange(AlltoAllVExchange):
-    def __init__(self, rank, out):  # no process group: the collective is the stand-in
+    def __init__(self, rank, out, sent=None):  # no process group: the collective is the stand-in
         SelfCastingCell.__init__(self)
         self.rank, self.hidden_size = rank, H
-        self.all_to_all = _Collective(out)
+        self.all_to_all = _Collective(out, sent)
 
 
 # rank 2 receives nothing (and sends nothing), rank 0 sends only to itself
@@ -61,9 +66,11 @@ WORLDS = [[[2, 0, 0], [1, 3, 0], [0, 0, 0]], [[0, 0], [4, 0]], [[1, 2], [3, 1]]]
 def test_dispatch_gives_each_rank_what_was_sent_to_it(send, mode, rng):
     world = _World(send, rng)
     for r in range(len(send)):
-        exchange = _Exchange(r, world.received(r))
+        exchange = _Exchange(r, world.received(r), int(world.send[r].sum()) * H)
         fn = lambda x, s: exchange.dispatch(x, exchange.plan(s, x.shape[0]))  # noqa: E731
-        got = numpy(run(fn, Tensor(world.rows[r]), Tensor(world.send), mode=mode))
+        # a row past those sent (a pair dropped at a capacity) is not sent
+        extra = np.concatenate([world.rows[r], np.full((1, H), 9.0, np.float32)])
+        got = numpy(run(fn, Tensor(extra), Tensor(world.send), mode=mode))
         expected = np.concatenate([world.chunk(s, r) for s in range(len(send))]).reshape(-1, H)
         np.testing.assert_array_equal(got, expected)
         assert got.shape == (int(world.send[:, r].sum()), H)
@@ -77,15 +84,19 @@ def test_combine_gives_each_rank_its_own_rows_back(send, mode, rng):
         own = world.rows[r].reshape(-1) if world.rows[r].size else np.zeros((), np.float32)
         exchange = _Exchange(r, own)
         received = np.zeros((int(world.send[:, r].sum()), H), np.float32)
-        fn = lambda y, s: exchange.combine(y, exchange.plan(s, 0))  # noqa: E731
+        m = len(world.rows[r]) + 2  # two rows past those sent (pairs dropped at a capacity)
+        fn = lambda y, s: exchange.combine(y, exchange.plan(s, m))  # noqa: E731
         got = numpy(run(fn, Tensor(received), Tensor(world.send), mode=mode))
-        np.testing.assert_array_equal(got, world.rows[r].reshape(-1, H))
+        assert got.shape == (m, H)
+        np.testing.assert_array_equal(got[:m - 2], world.rows[r].reshape(-1, H))
+        np.testing.assert_array_equal(got[m - 2:], 0)
 
 
 def test_the_plan_is_this_ranks_row_and_column(rng):
     send = np.array([[1, 2, 0], [3, 0, 4], [0, 5, 6]], np.int64)
-    sent, received = _Exchange(1, np.zeros(())).plan(Tensor(send), 7)
+    sent, received, m = _Exchange(1, np.zeros(())).plan(Tensor(send), 7)
     assert sent.asnumpy().tolist() == [3, 0, 4] and received.asnumpy().tolist() == [2, 0, 5]
+    assert m == 7
 
 
 # -- the AllReduce pair: every rank sends M rows in all (send rows sum to M) ------------------------
@@ -150,3 +161,53 @@ def test_all_reduce_combine_gives_each_rank_its_own_rows_back(send, rng):
     for r in range(n):
         got = _AllReduce(r, n, _Sum(total)).combine(Tensor(results[r]), plans[r]).asnumpy()
         np.testing.assert_array_equal(got, 2 * world.rows[r])
+
+
+# -- the all-to-all of equal blocks (pad_to_capacity) and the gather of counts ---------------------
+
+class _Block(BlockAllReduceExchange):
+    def __init__(self, rank, size, all_reduce):
+        SelfCastingCell.__init__(self)
+        self.rank, self.size, self.all_reduce = rank, size, all_reduce
+
+
+class _Gather(GroupGather):
+    def __init__(self, rank, size, all_reduce):
+        SelfCastingCell.__init__(self)
+        self.rank, self.size, self.all_reduce = rank, size, all_reduce
+
+
+def _world_sum(cls, inputs):
+    """Every rank's share of the AllReduce inside cls, summed: what the collective returns."""
+    shares = []
+    for r, x in enumerate(inputs):
+        recorder = _Sum()
+        cls(r, len(inputs), recorder)(Tensor(x))
+        shares.append(recorder.seen[0])
+    return np.sum(shares, axis=0)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_equal_blocks_all_to_all(n, rng):
+    """Rank r's block d goes to rank d; rank d gets the blocks of every rank, source by source;
+    applied twice (the way back) every rank has its own rows again."""
+    b = 2
+    rows = [rng.normal(size=(n * b, H)).astype(np.float32) for _ in range(n)]
+    total = _world_sum(_Block, rows)
+    got = [_Block(r, n, _Sum(total))(Tensor(rows[r])).asnumpy() for r in range(n)]
+    for d in range(n):
+        np.testing.assert_array_equal(got[d], np.concatenate([rows[s][d * b:(d + 1) * b]
+                                                              for s in range(n)]))
+    back_total = _world_sum(_Block, got)
+    for r in range(n):
+        np.testing.assert_array_equal(_Block(r, n, _Sum(back_total))(Tensor(got[r])).asnumpy(),
+                                      rows[r])
+
+
+def test_group_gather(rng):
+    counts = [rng.integers(0, 9, 4).astype(np.int64) for _ in range(3)]
+    total = _world_sum(_Gather, counts)
+    for r in range(3):
+        got = _Gather(r, 3, _Sum(total))(Tensor(counts[r])).asnumpy()
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, np.stack(counts))

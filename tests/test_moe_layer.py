@@ -273,10 +273,12 @@ def test_config_object():
 
 
 def test_an_option_is_declared_once():
-    """MoEConfig holds every option of RouterConfig and ExpertsConfig (but the experts' padding,
-    which the token dispatcher decides) with the same default (but SwiGLU experts), then the
-    shared experts' three: a new router or experts option reaches the layer by itself."""
-    parts = [f for part in (ms_moe_ops.RouterConfig, ms_moe_ops.ExpertsConfig)
+    """MoEConfig holds every option of RouterConfig, ExpertsConfig (but the experts' padding,
+    which the token dispatcher decides) and CapacityConfig with the same default (but SwiGLU
+    experts), then the shared experts' three: a new router, experts or capacity option reaches
+    the layer by itself."""
+    parts = [f for part in (ms_moe_ops.RouterConfig, ms_moe_ops.ExpertsConfig,
+                            ms_moe_ops.CapacityConfig)
              for f in dataclasses.fields(part) if f.name != "padded"]
     fields = {f.name: f for f in dataclasses.fields(ms_moe_ops.MoEConfig)}
     assert list(fields)[:4] == ["hidden_size", "ffn_hidden_size", "num_experts", "top_k"]
@@ -289,7 +291,8 @@ def test_an_option_is_declared_once():
     options = dict(n_group=2, topk_group=1, group_select_mode=0, score_func="softmax",
                    norm_topk_prob=False, routed_scaling_factor=2.0, bias_update_rate=0.1,
                    aux_loss_coeff=0.1, seq_aux_loss_coeff=0.2, z_loss_coeff=0.3,
-                   activation="gelu", has_bias=True, clamp_limit=0.0, n_shared_experts=2,
+                   activation="gelu", has_bias=True, clamp_limit=0.0, capacity_factor=1.5,
+                   drop_policy="position", pad_to_capacity=True, n_shared_experts=2,
                    shared_ffn_hidden_size=3, shared_expert_gate=True)
     assert set(options) | {"hidden_size", "ffn_hidden_size", "num_experts", "top_k"} == set(fields)
     layer = MoELayer(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, **options)

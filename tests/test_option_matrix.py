@@ -33,6 +33,7 @@ from ms_moe_ops.parallel import train as ep_train
 from cases import CASES, _gmm, _moe_ffn, _router_backward, compare, op_input
 from conftest import assert_close, finite_diff, numpy, run, tensor
 from option_matrix import family_reads_configuration, inventory
+import megatron_capacity as megatron
 
 
 # -- value classes --------------------------------------------------------------------------------
@@ -127,6 +128,16 @@ CLASSES = {
     "MoEConfig.n_shared_experts": {"0": lambda v: v == 0, "1": lambda v: v == 1,
                                    ">1": lambda v: v > 1},
     "MoEConfig.shared_ffn_hidden_size": _OPTIONAL,
+    # the expert capacity (a CapacityConfig exists only with a capacity_factor)
+    "MoEConfig.capacity_factor": {"None (dropless)": lambda v: v is None,
+                                  "< 1": lambda v: v is not None and v < 1,
+                                  ">= 1": lambda v: v is not None and v >= 1},
+    "CapacityConfig.capacity_factor": {"< 1": lambda v: v < 1, ">= 1": lambda v: v >= 1},
+    **_same(_members("probs", "position"), "MoEConfig.drop_policy", "CapacityConfig.drop_policy"),
+    **_same(_flag(), "MoEConfig.pad_to_capacity", "CapacityConfig.pad_to_capacity"),
+    **_same(_GIVEN, "CapacityConfig.num_experts"),
+    "CapacityConfig.top_k": _TOP_K,
+    **_same(_OPTIONAL, "LocalDispatcher(capacity)", "ExpertDispatcher(capacity)"),
     "MoELayer(expert_parallel)": {"None": lambda v: v is None,
                                   "one process": lambda v: v == "single",
                                   "a group of 2": lambda v: v == "group"},
@@ -144,6 +155,9 @@ CLASSES = {
     # parallel
     "ExpertParallel(group)": {"None (world)": lambda v: v is None, "named": lambda v: v is not None},
     "ExpertParallel(exchange)": _members("auto", "allreduce", "alltoallv"),
+    "ExpertParallel(size)": {"None (one group)": lambda v: v is None,
+                             "1 (data parallelism only)": lambda v: v == 1,
+                             "2 of 4 (EP x DP)": lambda v: v == 2},
     "ExpertParallelTrainStep(sens)": _SCALE,
     **_same(_members("mean", "sum"), "ExpertParallelTrainStep(reduction)",
             "ExpertParallelGradReducer(reduction)"),
@@ -154,6 +168,11 @@ CLASSES = {
     "msrun(log_dir)": _OPTIONAL,
     "msrun(cluster_time_out)": {"default": lambda v: v == 60, "other": lambda v: v != 60},
     "msrun(env)": {"None (os.environ)": lambda v: v is None, "given": lambda v: v is not None},
+    "msrun(local_workers)": {"None (every worker here)": lambda v: v is None,
+                             "fewer (one node of several)": lambda v: v is not None},
+    "msrun(master_addr)": {"default 127.0.0.1": lambda v: v == "127.0.0.1",
+                           "other": lambda v: v != "127.0.0.1"},
+    **_same(_OPTIONAL, "msrun(master_port)", "msrun(node_rank)"),
 }
 
 ALLOWED = {
@@ -310,6 +329,12 @@ LAYER_CASES = {
     "softmax losses, one process expert parallel": dict(
         ffn_hidden_size=6, num_experts=4, top_k=2, score_func="softmax", norm_topk_prob=False,
         aux_loss_coeff=0.5, z_loss_coeff=0.3, expert_parallel="single"),
+    # the expert capacity against Megatron-Core's token dropping (tests/megatron_capacity.py)
+    "capacity by probs, shared": dict(ffn_hidden_size=6, num_experts=4, top_k=2,
+                                      capacity_factor=0.75, n_shared_experts=1),
+    "capacity by position, padded, top-1, one process expert parallel": dict(
+        ffn_hidden_size=6, num_experts=4, top_k=1, score_func="softmax", capacity_factor=1.0,
+        drop_policy="position", pad_to_capacity=True, expert_parallel="single"),
 }
 # reference options whose other value changes the case's output (else a Cell forcing the option
 # to that value would pass)
@@ -374,11 +399,37 @@ def _reference_losses(c, kw, x, idx, sequences):
                      ref.router_z_loss(logits)])
 
 
+def _dropped(c, kw, x, idx):
+    """What the pairs dropped at the experts' capacity add to a dropless layer's output (0
+    without a capacity_factor), from Megatron-Core's model (tests/megatron_capacity.py)."""
+    if c.capacity_factor is None:
+        return 0.0
+    rows = x.reshape(-1, H)
+    scores = rows @ kw["router_weight"].T
+    scores = 1 / (1 + np.exp(-scores)) if c.score_func == "sigmoid" else \
+        np.exp(scores - scores.max(-1, keepdims=True)) / np.exp(
+            scores - scores.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    probs = np.take_along_axis(scores, idx.astype(np.int64), 1)
+    if c.norm_topk_prob:
+        probs = probs / probs.sum(1, keepdims=True)
+    probs = probs * c.routed_scaling_factor
+    keep = megatron.keep_mask(probs, idx, c.num_experts, c.capacity_factor, c.drop_policy)
+
+    def expert(e, r):
+        h = r @ kw["weight1"][e] + (kw["bias1"][e] if "bias1" in kw else 0)
+        a = ref.swiglu_group(h, clamp_limit=c.clamp_limit) if c.activation == "swiglu" else \
+            ref.ffn_activation(c.activation, h)
+        return a @ kw["weight2"][e] + (kw["bias2"][e] if "bias2" in kw else 0)
+
+    return megatron.moe_output(rows, probs, idx, ~keep, expert).reshape(x.shape)
+
+
 def _objective(c, kw, sequences, cot, idx):
     coeffs = np.array([c.aux_loss_coeff, c.seq_aux_loss_coeff, c.z_loss_coeff])
 
     def f(x):
         out, _ = ref.moe_layer(x, **kw, expert_idx=idx)
+        out = out - _dropped(c, kw, x, idx)
         return float((out * cot).sum() + coeffs @ _reference_losses(c, kw, x, idx, sequences))
 
     return f
@@ -402,6 +453,10 @@ def _check_layer(options, mode, rng, discriminates=()):
     cot = rng.normal(0, 1, shape)
     c, kw, sequences = _reference_options(options, w, shape)
     expected, idx = ref.moe_layer(x, **kw)
+    dropped = _dropped(c, kw, x, idx)
+    if c.capacity_factor is not None:  # the case drops pairs that matter
+        assert np.abs(dropped).max() > 1e-3
+    expected = expected - dropped
     for option, other in discriminates.items():  # the case tells this option's values apart
         changed = ref.moe_layer(x, **dict(kw, **{option: other}))[0]
         assert np.abs(changed - expected).max() > 1e-3, f"{option}={other} changes nothing here"
@@ -438,8 +493,11 @@ def _layer_values(options):
     c = MoEConfig(H, **{k: v for k, v in options.items() if k != "expert_parallel"})
     values = {f"MoEConfig.{k}": v for k, v in vars(c).items()}
     values["MoELayer(expert_parallel)"] = options.get("expert_parallel")
+    dispatcher = ("ExpertDispatcher(capacity)" if options.get("expert_parallel") else
+                  "LocalDispatcher(capacity)")
+    values[dispatcher] = c.capacity()
     for part, name in ((c.router(), "RouterConfig"), (c.experts(), "ExpertsConfig"),
-                       (c.shared_experts(), "SharedExpertsConfig")):
+                       (c.capacity(), "CapacityConfig"), (c.shared_experts(), "SharedExpertsConfig")):
         if part is not None:
             values.update({f"{name}.{k}": v for k, v in vars(part).items()})
     return values
@@ -729,6 +787,16 @@ class _TwoRanksAlike:
     """An expert-parallel group of 2 ranks that see the same tokens: all-reducing a gradient
     doubles it. (PyNative: the reduction is a Python function.)"""
     group, size = "two ranks alike", 2
+    world_group, world_size, data_group, data_size = group, size, None, 1
+
+
+class _TwoGroupsAlike:
+    """2 expert-parallel groups of 2 ranks (4 ranks, ExpertParallel(size=2)) that see the same
+    tokens: all-reducing over every rank multiplies a gradient by 4, over the 2 replicas of an
+    expert by 2."""
+    group, size = "one group", 2
+    world_group, world_size, data_group, data_size = "every rank", 4, "the replicas", 2
+    REDUCED = {"every rank": 4, "the replicas": 2}
 
 
 @pytest.mark.parametrize("reduction,sens", [
@@ -781,16 +849,22 @@ def test_loss_scale_reaches_the_losses(rng):
         assert_close(moved[4.0][name], 4 * delta, rtol=1e-4, atol=3e-7)
 
 
-def test_grad_reducer_reduction_is_used(monkeypatch, rng):
-    monkeypatch.setattr(ep_train.ops, "AllReduce", lambda group: (lambda g: g * 2))
+@pytest.mark.parametrize("groups", [_TwoRanksAlike, _TwoGroupsAlike])
+def test_grad_reducer_reduction_is_used(groups, monkeypatch, rng):
+    """The replicated parameters' gradients are summed over every rank, the experts' over the
+    replicas of their expert-parallel group (none without data parallelism); "mean" divides
+    both by the number of ranks."""
+    factor = getattr(groups, "REDUCED", {groups.world_group: 2})
+    monkeypatch.setattr(ep_train.ops, "AllReduce", lambda group: (lambda g: g * factor[group]))
     layer = _layer(dict(ffn_hidden_size=6, num_experts=4, top_k=2, expert_parallel="single"))
     params = layer.trainable_params()
     grads = tuple(Tensor(np.ones(p.shape, np.float32)) for p in params)
-    for reduction, scale in (("mean", 0.5), ("sum", 1.0)):
-        reduced = ExpertParallelGradReducer(layer, params, _TwoRanksAlike(), reduction)(grads)
+    for reduction, scale in (("mean", 1 / groups.world_size), ("sum", 1.0)):
+        reduced = ExpertParallelGradReducer(layer, params, groups(), reduction)(grads)
         for p, g in zip(params, reduced):
-            expected = scale * (1 if p.name.startswith("experts.") else 2)
-            np.testing.assert_array_equal(g.asnumpy(), np.full(p.shape, expected), p.name)
+            summed = factor.get(groups.data_group, 1) if p.name.startswith("experts.") else \
+                factor[groups.world_group]
+            np.testing.assert_array_equal(g.asnumpy(), np.full(p.shape, scale * summed), p.name)
 
 
 @pytest.mark.parametrize("requires_grad", [True, False])
@@ -839,7 +913,9 @@ MSRUN_CASES = {
     "defaults": dict(),
     "everything given": dict(args=("a", 3), workers=3, timeout=7, log_dir="logs",
                              cluster_time_out=9, env={"MATRIX_ONLY_HERE": "1", "PATH": "/bin",
-                                                       "PYTHONPATH": "/given/only"}),
+                                                       "PYTHONPATH": "/given/only"},
+                             local_workers=1, master_addr="10.1.2.3", master_port=9999,
+                             node_rank=2),
     "timeout reached": dict(timeout=5),
 }
 
@@ -865,7 +941,12 @@ def test_msrun_options_reach_the_launch(case, monkeypatch, tmp_path):
     assert cmd[-1 - len(options.get("args", ())):] == [os.path.abspath("w.py")] + [
         str(a) for a in options.get("args", ())]
     assert f"--worker_num={options.get('workers', 2)}" in cmd
-    assert f"--local_worker_num={options.get('workers', 2)}" in cmd
+    assert f"--local_worker_num={options.get('local_workers', options.get('workers', 2))}" in cmd
+    assert f"--master_addr={options.get('master_addr', '127.0.0.1')}" in cmd
+    port = [int(a.split("=")[1]) for a in cmd if a.startswith("--master_port=")]
+    assert port == [options["master_port"]] if "master_port" in options else 1024 <= port[0]
+    ranks = [a for a in cmd if a.startswith("--node_rank")]
+    assert ranks == ([f"--node_rank={options['node_rank']}"] if "node_rank" in options else [])
     assert f"--cluster_time_out={options.get('cluster_time_out', 60)}" in cmd
     assert f"--log_dir={log_dir}" in cmd and started["cwd"] == log_dir
     assert started["timeout"] == options.get("timeout", 300)
@@ -881,8 +962,45 @@ def test_msrun_options_reach_the_launch(case, monkeypatch, tmp_path):
         assert env["MATRIX_ONLY_OUTSIDE"] == "1" and paths[1:] == ["/caller/only"]
 
 
+def test_msrun_one_node_of_several_needs_the_port_and_rank():
+    for given in (dict(master_port=9999), dict(node_rank=1)):
+        with pytest.raises(ValueError, match="one node of several.* needs the master_port and "
+                                             "node_rank"):
+            msrun("w.py", workers=4, local_workers=2, **given)
+    with pytest.raises(ValueError, match="need 1 <= local_workers <= workers"):
+        msrun("w.py", workers=2, local_workers=3)
+
+
+def test_msrun_judges_a_launch_by_its_workers_when_its_scheduler_was_refused(monkeypatch,
+                                                                              tmp_path):
+    """Launches on one host standing for nodes: msrun fails a launch whose scheduler found the
+    port taken (another launch's); msrun() takes it when no worker failed, and fails it else."""
+    logs = {"scheduler.log": "[ERROR] ... Failed to create the TCP server.\n",
+            "msrun.log": "[ERROR] ... Scheduler process 12 exit with exception.\n"}
+
+    class Failing(_FakeLauncher):
+        def wait(self, timeout=None):
+            for name, text in logs.items():
+                (tmp_path / name).write_text(text)
+            return 1
+
+    monkeypatch.setattr(launch.subprocess, "Popen", Failing)
+    monkeypatch.setattr(launch, "_end_job", lambda launcher: None)
+    node = dict(workers=4, local_workers=2, master_port=9999, node_rank=1, log_dir=str(tmp_path))
+    assert msrun("w.py", **node) == str(tmp_path)
+    with pytest.raises(LaunchError, match="failed on 2 processes"):  # one node only
+        msrun("w.py", workers=2, log_dir=str(tmp_path))
+    logs["msrun.log"] += "[ERROR] ... Worker process 13 exit with exception.\n"
+    with pytest.raises(LaunchError, match="failed on 2 processes"):
+        msrun("w.py", **node)
+
+
 def _msrun_values(options):
     return {"msrun(args)": options.get("args", ()), "msrun(workers)": options.get("workers", 2),
+            "msrun(local_workers)": options.get("local_workers"),
+            "msrun(master_addr)": options.get("master_addr", "127.0.0.1"),
+            "msrun(master_port)": options.get("master_port"),
+            "msrun(node_rank)": options.get("node_rank"),
             "msrun(timeout)": "reached" if "timeout" in options and len(options) == 1 else "ok",
             "msrun(log_dir)": options.get("log_dir"),
             "msrun(cluster_time_out)": options.get("cluster_time_out", 60),
@@ -898,8 +1016,8 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "option_matrix
 def test_on_two_processes(tmp_path, rng):
     """One launch (tests/option_matrix_worker.py): msrun's env reaches the workers; ExpertParallel's
     group and exchange options; an expert-parallel MoELayer with the training losses on, each
-    rank against the local layer on its own tokens; ExpertParallelTrainStep's reduction and sens
-    against the gradients of one process."""
+    rank against the local layer on its own tokens; ExpertParallelTrainStep's reduction and sens,
+    and ExpertParallel(size=1) (data parallelism alone), against the gradients of one process."""
     from cases import RANKS
     import option_matrix_worker as worker
 
@@ -912,6 +1030,7 @@ def test_on_two_processes(tmp_path, rng):
         assert str(got["env"]) == "from msrun(env)"
         assert str(got["exchange/auto"]) == "allreduce" and str(got["group/world"]) == "ok"
         assert len([k for k in expected[r] if k.startswith("step/")]) == 2 * 3
+        assert len([k for k in expected[r] if k.startswith("data_parallel/")]) == 3
         for key, value in expected[r].items():
             try:
                 assert_close(got[key], value, rtol=1e-5, atol=1e-6)
@@ -927,6 +1046,9 @@ PARALLEL_VALUES = [
     *({"ExpertParallel(group)": g, "ExpertParallel(exchange)": e}
       for g, e in ((None, "auto"), ("named", "allreduce"), (None, "alltoallv"))),
     {"MoELayer(expert_parallel)": "group"},
+    {"ExpertParallel(size)": None},
+    {"ExpertParallel(size)": 1},  # test_on_two_processes: data parallelism alone
+    {"ExpertParallel(size)": 2},  # tests/test_parallel_dp.py: 4 ranks, 2 x 2
 ]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor
 
-from ms_moe_ops import MoELayer, update_expert_bias
+from ms_moe_ops import MoELayer, dropped_fraction, update_expert_bias
 from ms_moe_ops.parallel import (ExpertDispatcher, ExpertParallel, OneRankExchange,
                                  expert_parameter_names, gather_experts, is_expert_parameter,
                                  launch, msrun, shard_experts)
@@ -158,6 +158,9 @@ ONE_RANK_CASES = {
                                       norm_topk_prob=False, has_bias=True),
     "groups, clamp, losses": dict(e=8, k=2, n_group=4, topk_group=2, clamp_limit=0.7,
                                   aux_loss_coeff=0.1, seq_aux_loss_coeff=0.1, z_loss_coeff=0.01),
+    "capacity by probs": dict(e=4, k=2, capacity_factor=0.75),
+    "capacity by position, padded": dict(e=4, k=2, shared=1, capacity_factor=0.75,
+                                         drop_policy="position", pad_to_capacity=True),
 }
 
 
@@ -176,12 +179,15 @@ def _twins(**options):
 # in GRAPH mode, one in bfloat16 (each case costs two compilations per mode)
 _ONE_RANK_DEFAULT = {("swiglu, gated shared", "float32", "graph"),
                      ("fastgelu, softmax, biases", "float32", "pynative"),
-                     ("groups, clamp, losses", "bfloat16", "pynative")}
+                     ("groups, clamp, losses", "bfloat16", "pynative"),
+                     ("capacity by position, padded", "float32", "pynative")}
+# (the capacity cases in bfloat16 in PyNative mode only: their dispatch is dtype-blind index work)
 ONE_RANK_RUNS = [pytest.param(case, dtype, mode, id=f"{mode}-{case}-{dtype}",
                               marks=() if (case, dtype, mode) in _ONE_RANK_DEFAULT
                               else pytest.mark.slow)
                  for case in ONE_RANK_CASES for dtype in ("float32", "bfloat16")
-                 for mode in ("pynative", "graph")]
+                 for mode in ("pynative", "graph")
+                 if not (case.startswith("capacity") and (dtype, mode) == ("bfloat16", "graph"))]
 
 
 @pytest.mark.parametrize("case,dtype,mode", ONE_RANK_RUNS)
@@ -206,6 +212,9 @@ def test_one_rank_expert_parallel_is_the_local_layer_bit_for_bit(case, dtype, mo
                                   local.router.expert_bias.asnumpy())
     np.testing.assert_array_equal(parallel.router.aux_losses.asnumpy(),
                                   local.router.aux_losses.asnumpy())
+    assert dropped_fraction(parallel) == dropped_fraction(local)
+    if local.capacity is not None:
+        assert 0 < dropped_fraction(local)[0] < 1
 
 
 def test_one_rank_group():

@@ -1,9 +1,10 @@
 """The options of the Cells, one object each: RouterConfig (GatingTopK), ExpertsConfig (MoeFFN),
-SharedExpertsConfig (SharedExperts) and MoEConfig (MoELayer), which holds every option of the
-router and the routed experts plus the shared experts' three and hands each part its own config.
+CapacityConfig (ExpertCapacity), SharedExpertsConfig (SharedExperts) and MoEConfig (MoELayer),
+which holds every option of the router, the routed experts and their capacity plus the shared
+experts' three and hands each part its own config.
 
 An option is declared once, in the config of the Cell it belongs to: MoEConfig takes its fields
-from RouterConfig and ExpertsConfig, so a new router or experts option reaches MoEConfig,
+from RouterConfig, ExpertsConfig and CapacityConfig, so a new router or experts option reaches MoEConfig,
 MoELayer and `moe_config_from_transformers` overrides without being written again. The Cells
 check the values (errors name the Cell); the configs only hold them.
 """
@@ -11,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["MoEConfig", "RouterConfig", "ExpertsConfig", "SharedExpertsConfig"]
+__all__ = ["MoEConfig", "RouterConfig", "ExpertsConfig", "CapacityConfig", "SharedExpertsConfig"]
 
 
 class _Config:
@@ -55,6 +56,20 @@ class ExpertsConfig(_Config):
 
 
 @dataclass(frozen=True)
+class CapacityConfig(_Config):
+    """The expert capacity (ExpertCapacity, Megatron-Core's token dropping): capacity_factor None
+    is dropless; a number c caps every expert at ceil(T * K / E * c) of the (token, slot) pairs
+    of a call, dropping the rest by drop_policy ("probs": the lowest routing weights; "position":
+    the latest tokens); pad_to_capacity gives every expert exactly that many rows (static
+    shapes)."""
+    num_experts: int
+    top_k: int
+    capacity_factor: Optional[float] = None
+    drop_policy: str = "probs"
+    pad_to_capacity: bool = False
+
+
+@dataclass(frozen=True)
 class SharedExpertsConfig(_Config):
     """The options of the shared experts (SharedExperts: one SwiGLU MLP, optionally gated)."""
     hidden_size: int
@@ -77,7 +92,7 @@ _LAYER_OPTIONS = (("n_shared_experts", int, 0), ("shared_ffn_hidden_size", Optio
 
 def _layer_fields():
     out, seen = list(_SIZES), {name for name, _ in _SIZES}
-    for part in (RouterConfig, ExpertsConfig):
+    for part in (RouterConfig, ExpertsConfig, CapacityConfig):
         for f in dataclasses.fields(part):
             if f.name in seen or f.name in _NOT_OPTIONS:
                 continue
@@ -106,6 +121,11 @@ def _experts(self, num_experts=None, padded=False):
                  padded=padded)
 
 
+def _capacity(self):
+    """The routed experts' CapacityConfig, None when dropless (capacity_factor None)."""
+    return None if self.capacity_factor is None else _part(CapacityConfig, self)
+
+
 def _shared_experts(self):
     """The shared experts' SharedExpertsConfig, None without shared experts. Their width is
     (shared_ffn_hidden_size or ffn_hidden_size) * n_shared_experts (the experts side by side)."""
@@ -118,15 +138,17 @@ def _shared_experts(self):
 MoEConfig = dataclasses.make_dataclass(
     "MoEConfig", _layer_fields(), bases=(_Config,), frozen=True,
     namespace={"__module__": __name__, "__qualname__": "MoEConfig", "router": _router,
-               "experts": _experts, "shared_experts": _shared_experts, "__doc__": """\
+               "experts": _experts, "capacity": _capacity,
+               "shared_experts": _shared_experts, "__doc__": """\
 The options of a MoELayer: `MoELayer(config)` builds a layer, `layer.config` gives it back,
 `config.replace(top_k=4)` makes a variant and `moe_config_from_transformers` reads one from a
 transformers model configuration.
 
 Fields: hidden_size, ffn_hidden_size, num_experts, top_k (in this order), then every option
-of RouterConfig and of ExpertsConfig (but padded) with their defaults, but activation="swiglu",
-then n_shared_experts=0, shared_ffn_hidden_size=None and shared_expert_gate=False.
-`config.router()`, `config.experts()` and `config.shared_experts()` give each part its own.
+of RouterConfig, ExpertsConfig (but padded) and CapacityConfig with their defaults, but
+activation="swiglu", then n_shared_experts=0, shared_ffn_hidden_size=None and
+shared_expert_gate=False. `config.router()`, `config.experts()`, `config.capacity()` and
+`config.shared_experts()` give each part its own.
 
 The defaults are DeepSeek-V3's routing (sigmoid scores, renormalised top-k) with SwiGLU experts
 and no training loss."""})

@@ -11,13 +11,14 @@ from ..ops import cast
 from ._backend import Fork, project, reshape, rows_of
 from ._checks import TOKENS, checked, config_of, int_arg
 from ._precision import SelfCastingCell, register_opaque_to_rewrite
+from .capacity import ExpertCapacity, check_options
 from .config import MoEConfig, SharedExpertsConfig
 from .dispatcher import LocalDispatcher
 from .ffn import MoeFFN, swiglu_experts
 from .gating import GatingTopK
 
 __all__ = ["MoELayer", "SharedExperts", "moe_layers", "expert_load", "load_imbalance",
-           "update_expert_bias", "reset_expert_load"]
+           "dropped_fraction", "update_expert_bias", "reset_expert_load"]
 
 
 class SharedExperts(SelfCastingCell):
@@ -151,11 +152,16 @@ class MoELayer(SelfCastingCell):
         self.num_experts = num_experts
         self.top_k = top_k
         self.router = GatingTopK(config.router())
+        check_options(config)
+        capacity = config.capacity()
+        self.capacity = None if capacity is None else ExpertCapacity(capacity)
         self.expert_parallel = expert_parallel
-        self.dispatcher = (LocalDispatcher(num_experts) if expert_parallel is None else
-                           expert_parallel.dispatcher(num_experts, hidden_size))
+        self.dispatcher = (LocalDispatcher(num_experts, self.capacity) if expert_parallel is None
+                           else expert_parallel.dispatcher(num_experts, hidden_size, self.capacity))
         if self.dispatcher.count_group is not None:
             self.router.count_over(self.dispatcher.count_group)
+            if self.capacity is not None:
+                self.capacity.count_over(self.dispatcher.count_group)
         self.experts = MoeFFN(config.experts(self.dispatcher.local_experts, self.dispatcher.padded))
         shared = config.shared_experts()
         self.shared_experts = None if shared is None else SharedExperts(shared)
@@ -183,6 +189,8 @@ class MoELayer(SelfCastingCell):
         tokens = self.fork(cast(ops.depend(hidden, width), ms.float32).reshape(-1, width))
         # the router sees the sequences ([B, S, H]) for its sequence-wise loss
         weights, expert_idx = self.router(tokens[0].reshape(shape))
+        if self.capacity is not None:  # the pairs past an expert's capacity: weight 0, expert E
+            weights, expert_idx = self.capacity(weights, expert_idx)
         rows, counts, route = self.dispatcher.dispatch(cast(tokens[1], dtype), expert_idx)
         out = self.dispatcher.combine(self.experts(rows, counts), weights, route)
         if self.shared_experts is not None:
@@ -220,6 +228,18 @@ def load_imbalance(model_or_load):
     return [float(row.max() / row.mean()) if row.mean() > 0 else 1.0 for row in np.atleast_2d(load)]
 
 
+def dropped_fraction(model):
+    """The share of the routed (token, slot) pairs each MoELayer dropped at its experts' capacity
+    (capacity_factor), per layer: a list of floats, 0.0 for a dropless layer. The same window as
+    load_imbalance: the pairs since the last update_expert_bias, or right after one, those of the
+    step that drove it (with expert parallelism: every rank's pairs)."""
+    out = []
+    for layer in moe_layers(model):
+        counts = layer.capacity.recent() if layer.capacity is not None else np.zeros((2, 1))
+        out.append(float(counts[1].sum() / counts[0].sum()) if counts[0].sum() > 0 else 0.0)
+    return out
+
+
 def update_expert_bias(model):
     """Auxiliary-loss-free balancing step for every MoELayer (call between training steps);
     returns the loads that drove it, [layers, E] (the counts start again from zero;
@@ -228,6 +248,8 @@ def update_expert_bias(model):
     for layer in moe_layers(model):
         loads.append(layer.router.load())
         layer.router.update_expert_bias()
+        if layer.capacity is not None:
+            layer.capacity.update()
     return _stacked(loads)
 
 
@@ -236,3 +258,5 @@ def reset_expert_load(model):
     after an evaluation pass, whose tokens should not steer the balancing)."""
     for layer in moe_layers(model):
         layer.router.reset_load()
+        if layer.capacity is not None:
+            layer.capacity.reset()

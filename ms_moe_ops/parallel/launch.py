@@ -1,9 +1,12 @@
-"""Running a script on several local processes with MindSpore's launcher (msrun), for tests,
+"""Running a script on several processes with MindSpore's launcher (msrun), for tests,
 benchmarks and quick experiments: a free port, a short cluster time-out, the worker logs in one
 directory, and a hard time-out after which every process of the job is ended. A failure raises
-`LaunchError` carrying the last lines of each worker's log."""
+`LaunchError` carrying the last lines of each worker's log. msrun's multi-node form (one launch
+per node, each starting its share of the workers) is `local_workers`, `master_addr`,
+`master_port` and `node_rank`."""
 import glob
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,8 +41,9 @@ def log_tails(log_dir, lines=25):
     return "\n".join(parts) if parts else f"(no logs in {log_dir})"
 
 
-def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_out=60, env=None):
-    """Runs `python script *args` on `workers` local processes with msrun and waits for them.
+def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_out=60, env=None,
+          local_workers=None, master_addr="127.0.0.1", master_port=None, node_rank=None):
+    """Runs `python script *args` on `workers` processes with msrun and waits for them.
 
     The workers run on the caller's interpreter (its directory goes first on PATH, where msrun
     finds `python`: a virtual environment works without being activated) and import the same
@@ -49,7 +53,27 @@ def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_ou
     `timeout` (seconds) bounds the whole job: past it, the launcher, the scheduler and every
     worker are ended by process group. Returns log_dir; raises LaunchError (with the logs' last
     lines) when the job fails or times out.
+
+    Several nodes (msrun's --worker_num, --local_worker_num, --master_addr, --master_port,
+    --node_rank): run msrun() once on every node with the same `workers` (all of them),
+    `master_addr` (the address of node 0, where the scheduler runs) and `master_port`, and each
+    node's `local_workers` (the processes it starts) and `node_rank` (0, 1, ...); the workers of
+    node i get the global ranks [i * local_workers, (i + 1) * local_workers). By default one
+    launch starts every worker here (local_workers=workers, a free port). Launches on one host
+    standing for several nodes (tests) work too: msrun starts a scheduler wherever master_addr
+    is an address of the host, and every one but the first finds the port taken and exits, which
+    makes msrun report a failure although every worker succeeded; msrun() then judges the launch
+    by its workers (_only_scheduler_refused).
     """
+    local_workers = workers if local_workers is None else local_workers
+    if not 1 <= local_workers <= workers:
+        raise ValueError(f"msrun: need 1 <= local_workers <= workers, got local_workers="
+                         f"{local_workers}, workers={workers}")
+    nodes = local_workers < workers
+    if nodes and (master_port is None or node_rank is None):
+        raise ValueError(f"msrun: a launch of {local_workers} of {workers} workers (one node of "
+                         f"several) needs the master_port and node_rank every node agrees on, got "
+                         f"master_port={master_port}, node_rank={node_rank}")
     log_dir = log_dir or tempfile.mkdtemp(prefix="msrun_")
     os.makedirs(log_dir, exist_ok=True)
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,7 +83,9 @@ def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_ou
     run_env["PATH"] = worker_path(run_env.get("PATH"))
     run_env.setdefault("GLOG_v", "3")
     cmd = [sys.executable, "-m", "mindspore.parallel.cluster.run", f"--worker_num={workers}",
-           f"--local_worker_num={workers}", f"--master_port={free_port()}", f"--log_dir={log_dir}",
+           f"--local_worker_num={local_workers}", f"--master_addr={master_addr}",
+           f"--master_port={master_port or free_port()}",
+           *([] if node_rank is None else [f"--node_rank={node_rank}"]), f"--log_dir={log_dir}",
            "--join=True", f"--cluster_time_out={cluster_time_out}", "--tail_worker_log=-1",
            os.path.abspath(script), *map(str, args)]
     with open(os.path.join(log_dir, "msrun.log"), "w") as out:
@@ -74,10 +100,27 @@ def msrun(script, args=(), workers=2, timeout=300, log_dir=None, cluster_time_ou
                           f"{log_tails(log_dir)}") from None
     finally:
         _end_job(launcher)
-    if rc != 0:
-        raise LaunchError(f"{os.path.basename(script)} failed on {workers} processes (msrun exit "
-                          f"code {rc}); logs in {log_dir}\n{log_tails(log_dir)}")
+    if rc != 0 and not (nodes and _only_scheduler_refused(log_dir)):
+        raise LaunchError(f"{os.path.basename(script)} failed on {local_workers} processes (msrun "
+                          f"exit code {rc}); logs in {log_dir}\n{log_tails(log_dir)}")
     return log_dir
+
+
+def _only_scheduler_refused(log_dir):
+    """Whether msrun failed only because this launch's scheduler could not take the port, which
+    another launch's scheduler holds (launches on one host standing for nodes): its log says so,
+    and msrun's says no worker failed."""
+    def read(name):
+        try:
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    launcher, scheduler = read("msrun.log"), read("scheduler.log")
+    return ("Failed to create the TCP server" in scheduler
+            and re.search(r"Scheduler process \d+ exit with exception", launcher) is not None
+            and re.search(r"Worker process \d+ exit with exception", launcher) is None)
 
 
 def worker_path(path):

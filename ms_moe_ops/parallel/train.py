@@ -11,10 +11,9 @@ _REDUCTIONS = ("mean", "sum")
 _reduce = ops.MultitypeFuncGraph("_reduce")
 
 
-@_reduce.register("Function", "Number", "Bool", "Tensor")
-def _reduce_one(all_reduce, scale, replicated, grad):
-    if replicated:
-        grad = all_reduce(grad)
+@_reduce.register("Function", "Function", "Number", "Bool", "Tensor")
+def _reduce_one(all_reduce, data_reduce, scale, replicated, grad):
+    grad = all_reduce(grad) if replicated else data_reduce(grad)
     if scale != 1.0:
         grad = grad * scale
     return grad
@@ -34,11 +33,13 @@ class ExpertParallelGradReducer(nn.Cell):
     (the gradient of the sum of all ranks' losses: the rows of every rank that reached the
     expert came back through the exchange), while the gradients of the replicated parameters
     (router, shared experts and every non-MoE parameter: data parallelism) hold only this rank's
-    tokens' part. This Cell all-reduces (sums) the latter over the group; then, with
-    reduction="mean", divides every gradient by n.
+    tokens' part. This Cell all-reduces (sums) the latter over every rank (`world_group`) and,
+    with data-parallel replicas of the expert-parallel group (ExpertParallel(size=...)), the
+    experts' over their replicas (`data_group`); then, with reduction="mean", divides every
+    gradient by the number of ranks W.
 
-    - "mean" (default): the gradient of the mean of the ranks' losses. When each rank's loss is
-      a mean over its own tokens and all ranks have as many tokens, that is one process's
+    - "mean" (default): the gradient of the mean of the W ranks' losses. When each rank's loss
+      is a mean over its own tokens and all ranks have as many tokens, that is one process's
       gradient on all ranks' tokens together with a mean loss.
     - "sum": the gradient of the sum of the ranks' losses (losses that are sums over tokens, or
       already divided by n).
@@ -55,15 +56,19 @@ class ExpertParallelGradReducer(nn.Cell):
             raise ValueError(f"ExpertParallelGradReducer: reduction must be one of {_REDUCTIONS}, "
                              f"got {reduction!r}")
         sharded = expert_parameter_names(network)
-        alone = expert_parallel.size == 1  # ExpertParallel.single(): nothing to reduce
-        self.replicated = tuple(not alone and p.name not in sharded for p in parameters)
-        self.scale = 1.0 / expert_parallel.size if reduction == "mean" else 1.0
-        self.all_reduce = ops.Identity() if alone else ops.AllReduce(group=expert_parallel.group)
+        ep = expert_parallel
+        self.replicated = tuple(p.name not in sharded for p in parameters)
+        self.scale = 1.0 / ep.world_size if reduction == "mean" else 1.0
+        # ExpertParallel.single(): nothing to reduce
+        self.all_reduce = (ops.Identity() if ep.world_size == 1 else
+                           ops.AllReduce(group=ep.world_group))
+        self.data_reduce = (ops.Identity() if ep.data_size == 1 else
+                            ops.AllReduce(group=ep.data_group))
         self.hyper_map = ops.HyperMap()
 
     def construct(self, grads):
-        return self.hyper_map(ops.partial(_reduce, self.all_reduce, self.scale), self.replicated,
-                              grads)
+        return self.hyper_map(ops.partial(_reduce, self.all_reduce, self.data_reduce, self.scale),
+                              self.replicated, grads)
 
 
 class ExpertParallelTrainStep(nn.TrainOneStepCell):
