@@ -263,8 +263,9 @@ def test_the_experts_take_what_each_exchange_gives(exchange, rng):
     only by the 2-process msrun runs.)"""
     from ms_moe_ops import MoeFFN
 
-    ep = ExpertParallel.__new__(ExpertParallel)
+    ep = ExpertParallel.single()  # (every attribute set), then rank 0 of 2 in the world group
     ep.group, ep.rank, ep.size, ep.exchange = "hccl_world_group", 0, 2, exchange
+    ep.world_group, ep.world_size = ep.group, ep.size
     layer = MoELayer(8, 6, 4, 2, expert_parallel=ep)
     assert layer.experts.num_experts == 2
     assert layer.experts.padded == layer.dispatcher.padded == (exchange == "allreduce")
