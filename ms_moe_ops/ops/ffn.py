@@ -27,7 +27,7 @@ from ._checks import FLOATS, attr_error, check_dtype, check_range, check_same_dt
     check_shape, dims
 from ._impls import aclnn, builtin, composition, kernel
 from ._op import Attr, OpDef
-from ._platform import A2, A3
+from ._platform import A2
 from .grouped_matmul import cover_every_row, group_sum, grouped_matmul
 
 _OP = "moe_ffn"
@@ -304,13 +304,13 @@ MOE_FFN = OpDef(
     infer_dtype=_infer_dtype,
     impls=(
         kernel("MoeFFN"),
-        *aclnn("aclnnFFNV3", _FFN_V3, socs=(A2, A3), dtypes=_FFN_V3_DTYPES,
+        *aclnn("aclnnFFNV3", _FFN_V3, socs=(A2,), dtypes=_FFN_V3_DTYPES,
                fixed={"inner_precise": 0},
                supports=lambda a, args, soc: _ascend_ffn_fits(a, args, ("float16", "int8")),
                around=_every_row_covered),
         *aclnn("aclnnMoeFFN", _MOE_FFN, socs=(A2,), dtypes=_MOE_FFN_DTYPES, supports=_moe_ffn_fits,
                around=_counts_covered),
-        builtin(_ffn_builtin, socs=(A2, A3), primitive="FFNExt", kernel="aclnnFFN",
+        builtin(_ffn_builtin, socs=(A2,), primitive="FFNExt", kernel="aclnnFFN",
                 supports=lambda a, args, soc: _ascend_ffn_fits(a, args, ("float16", "int8"))),
         composition(_ffn_composed, supports=_float_only),
     ),
@@ -346,13 +346,13 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
         differentiable with respect to x, weight1, bias1, weight2 and bias2; asking for the
         quant path's gradient raises RuntimeError.
 
-    Ascend: on Atlas A2 and A3, float16 and int8 (float16 output) run aclnnFFNV3 (the expert
+    Ascend: on Atlas A2, float16 and int8 (float16 output) run aclnnFFNV3 (the expert
     counts stay on the device; GRAPH mode through ops.Custom, PyNative through the C++
     extension), else the seed's aclnnMoeFFN where the installed CANN has it (fastgelu; its counts
     are copied to the host each call), else MindSpore's built-in FFN (aclnnFFN, host counts too);
     float32 and bfloat16 (documented for Atlas A2 inference products only), and every dtype on
-    Ascend 950 (no FFN kernel), run grouped_matmul and the activation. The kernels need counts
-    that cover every row (aclnnFFN's CheckExpertTokens rejects a sum != M): a padded batch's
+    Atlas A3 and Ascend 950 (no FFN kernel), run grouped_matmul and the activation. The kernels
+    need counts that cover every row (aclnnFFN's CheckExpertTokens rejects a sum != M): a padded batch's
     rows past the last expert are handed to it and masked out of y. int8 with another output_dtype raises
     NotImplementedError on Ascend. Both FFN kernels are non-deterministic unless MindSpore's
     deterministic mode is on (`ms.set_deterministic(True)`; `set_context(deterministic=...)` is
