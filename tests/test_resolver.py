@@ -128,7 +128,7 @@ SELECTION = [
     (MOE_FFN, A2_PYNATIVE, ffn_sig("bfloat16"), {}, "composition",
      "bfloat16 in PyNative trains composed"),
     (MOE_FFN, A3_GRAPH, ffn_sig("float16"), {}, "composition",
-     "the FFN kernels are Atlas A2 only (CANN's FFN op-info: ascend910b and ascend310p)"),
+     "the FFN kernels are documented for Atlas A2 only"),
     (MOE_FFN, A2_GRAPH, ffn_sig("float32"), dict(activation="gelu"), "composition",
      "float32 trains composed"),
     (MOE_FFN, A2_GRAPH, ffn_sig("float16", h=65536), {}, "composition",
