@@ -42,13 +42,15 @@ class DecodeStep(nn.Cell):
     slots holding real tokens, the chunk's included), slot and pick int32 scalars, caches from
     `new_cache`) -> (logits [B, vocab] at chunk index `pick`, the new caches).
 
-    Every input is a Tensor of a fixed shape, so in GRAPH mode one graph serves every decode
+    Every input is a Tensor of a fixed shape (caches passed as `ms.mutable(caches)`, else GRAPH
+    mode takes their values for constants and compiles again), so in GRAPH mode one graph serves every decode
     step (S = 1) and one every prompt of a given shape. With use_cache=False, caches is () and
     the chunk attends only to itself (L = S: the whole sequence each call). absorb: MLA's
     attention in the latent space (kv_b_proj folded into queries and outputs)."""
 
     def __init__(self, net, use_cache=True, absorb=False):
         super().__init__()
+        self.set_train(False)  # inference: the net's MoE blocks keep no routing statistics
         self.net = net
         self.use_cache = use_cache
         self.absorb = absorb
@@ -163,7 +165,8 @@ def generate(net, ids, max_new_tokens, eos_token_id=None, *, attention_mask=None
     if use_cache:
         caches = new_cache(net.config, batch, total, net.model.embed_tokens.weight.dtype)
         logits, caches = step(Tensor(buffer[:, :start]), Tensor(positions[:, :start]),
-                              Tensor(key_valid), scalar(0), scalar(start - 1), caches)
+                              Tensor(key_valid), scalar(0), scalar(start - 1),
+                              ms.mutable(caches))
     for pos in range(start, total):
         if not use_cache:
             logits, _ = step(Tensor(buffer), Tensor(positions), Tensor(key_valid), scalar(0),
@@ -182,5 +185,6 @@ def generate(net, ids, max_new_tokens, eos_token_id=None, *, attention_mask=None
             return buffer[:, :pos + 1].astype(np.int64)
         if use_cache and pos + 1 < total:
             logits, caches = step(Tensor(buffer[:, pos:pos + 1]), Tensor(positions[:, pos:pos + 1]),
-                                  Tensor(key_valid), scalar(pos), scalar(0), caches)
+                                  Tensor(key_valid), scalar(pos), scalar(0),
+                                  ms.mutable(caches))
     return buffer.astype(np.int64)
