@@ -163,10 +163,13 @@ def run(args):
 
     times = []
 
+    prompt_text = tokenizer.decode(ids)
+
     def stream(tokens):
         times.append(time.perf_counter())
         generated.append(int(tokens[0]))
-        text = tokenizer.decode(generated)
+        # decoded with the prompt, so that the tokenizer places the spaces between them
+        text = tokenizer.decode(ids + generated)[len(prompt_text):]
         if text.startswith(shown[0]):  # a partial multi-byte character may change later
             sys.stdout.write(text[len(shown[0]):])
             sys.stdout.flush()

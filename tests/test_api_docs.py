@@ -100,6 +100,7 @@ def test_recipe_convert_and_generate(tmp_path, rng, monkeypatch, capsys):
     save(hf_model("deepseek_v3", rng), tmp_path / src)
     monkeypatch.chdir(tmp_path)
     assert main([src, dst, "--quiet"]) == 0
+    capsys.readouterr()
     words = ["<unk>", "The", "capital", "of", "France", "is"] + [f"w{i}" for i in range(58)]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

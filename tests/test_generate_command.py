@@ -58,7 +58,7 @@ def test_greedy_run_streams_the_tokens_of_generate(which, dirs, capsys):
     net = load_pretrained(str(dirs / "ms"))
     ids = np.array([[WORDS.index(w) for w in prompt.split()]])
     tokens = generate(net, ids, 6)[0, 4:]
-    assert out == prompt + " ".join(WORDS[t] for t in tokens) + "\n"
+    assert out == prompt + "".join(" " + WORDS[t] for t in tokens) + "\n"
 
 
 def test_character_level_model(tmp_path, capsys):
