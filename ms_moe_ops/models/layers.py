@@ -159,7 +159,10 @@ class GQAttention(nn.Cell):
 
 
 class MLAttention(nn.Cell):
-    """DeepSeek's multi-head latent attention (see MLAConfig). x [B, S, H] -> [B, S, H]."""
+    """DeepSeek's multi-head latent attention (see MLAConfig). x [B, S, H] -> [B, S, H]; with a
+    cache (normalised latent [B, 1, L, kv_lora_rank], rotary key [B, 1, L, qk_rope_head_dim]),
+    the chunk's are written at `slot` and the queries attend over the whole cache, its keys and
+    values rebuilt with kv_b_proj, or (absorb) in the latent space: -> (out, the new cache)."""
 
     def __init__(self, config, hidden_size):
         super().__init__()
