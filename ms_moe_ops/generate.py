@@ -6,6 +6,8 @@ or a transformers checkpoint directory (converted into a temporary directory fir
 is tokenized with the directory's `tokenizer.json` (the `tokenizers` library; nothing is
 downloaded), or `chars.json` (a JSON list of characters, index = token id) for a
 character-level model. Errors print one line naming the file and the problem, exit code 2."""
+# pylint: disable=import-outside-toplevel
+# (MindSpore and the models load only once the arguments and files are checked: errors are quick)
 import argparse
 import json
 import os
@@ -61,7 +63,7 @@ class Tokenizer:
             self.tokenizer = None
         else:
             try:
-                from tokenizers import Tokenizer as Reader  # pylint: disable=import-outside-toplevel
+                from tokenizers import Tokenizer as Reader
             except ImportError as err:
                 raise CommandError(f"{path}: reading it needs the tokenizers package "
                                    f"(pip install tokenizers)") from err
@@ -103,8 +105,8 @@ def find_tokenizer(model_dir, given=None):
 def load_model(model_dir, workdir):
     """The MoECausalLM of model_dir, converted into workdir first when it is a transformers
     checkpoint; and its config.json as a dict."""
-    from .convert import RECORD, convert_checkpoint, load_pretrained  # pylint: disable=import-outside-toplevel
-    from .models import CausalLMConfig  # pylint: disable=import-outside-toplevel
+    from .convert import RECORD, convert_checkpoint, load_pretrained
+    from .models import CausalLMConfig
 
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(config_path):
@@ -138,9 +140,9 @@ def run(args):
     if not ids:
         raise CommandError("the prompt is empty once tokenized")
 
-    import mindspore as ms  # pylint: disable=import-outside-toplevel
-    import ms_moe_ops  # pylint: disable=import-outside-toplevel
-    from .models import DecodeStep, generate  # pylint: disable=import-outside-toplevel
+    import mindspore as ms
+    import ms_moe_ops
+    from .models import DecodeStep, generate
 
     quantize = getattr(ms_moe_ops, "quantize", None)
     if args.quantize and quantize is None:
