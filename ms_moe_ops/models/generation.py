@@ -44,9 +44,10 @@ class DecodeStep(nn.Cell):
 
     Every input is a Tensor of a fixed shape (caches passed as `ms.mutable(caches)`, else GRAPH
     mode takes their values for constants and compiles again), so in GRAPH mode one graph
-    serves every decode step (S = 1) and one every prompt of a given shape. With use_cache=False, caches is () and
-    the chunk attends only to itself (L = S: the whole sequence each call). absorb: MLA's
-    attention in the latent space (kv_b_proj folded into queries and outputs)."""
+    serves every decode step (S = 1) and one every prompt of a given shape. With
+    use_cache=False, caches is () and the chunk attends only to itself (L = S: the whole
+    sequence each call). absorb: MLA's attention in the latent space (kv_b_proj folded into
+    queries and outputs). The step puts the net in inference mode (set_train(False))."""
 
     def __init__(self, net, use_cache=True, absorb=False):
         super().__init__()
