@@ -4,6 +4,7 @@ import importlib
 import inspect
 import os
 import re
+import shlex
 
 import numpy as np
 import pytest
@@ -91,11 +92,24 @@ def test_recipe_convert_and_generate(tmp_path, rng, monkeypatch, capsys):
     from hf_models import hf_model, save
     from ms_moe_ops.convert.__main__ import main
 
-    command, = recipe("convert_and_generate", "bash")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from ms_moe_ops.generate import main as generate_main
+
+    command, generate_command = recipe("convert_and_generate", "bash")
     src, dst = command.split()[-2:]
     save(hf_model("deepseek_v3", rng), tmp_path / src)
     monkeypatch.chdir(tmp_path)
     assert main([src, dst, "--quiet"]) == 0
+    capsys.readouterr()
+    words = ["<unk>", "The", "capital", "of", "France", "is"] + [f"w{i}" for i in range(58)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / src / "tokenizer.json"))
+    argv = shlex.split(generate_command)
+    assert argv[:3] == ["python", "-m", "ms_moe_ops.generate"]
+    assert generate_main([a if a != "20" else "3" for a in argv[3:]]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("The capital of France is") and "tokens/s" in err
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: _Tokenizer())
     code, = recipe("convert_and_generate")
     assert "max_new_tokens=20" in code

@@ -19,6 +19,8 @@ LAYERS = {"_compat": set(), "reference": set(), "ops": {"_compat", "ops"},
           "info": {"_compat", "ops", "nn", "parallel", "models", "convert", "reference"},
           # `python -m ms_moe_ops.selftest`: the device self-test, imported by nothing
           "selftest": {"_compat", "ops", "nn", "reference"},
+          # `python -m ms_moe_ops.generate`: text from a checkpoint, imported by nothing
+          "generate": {"models", "convert", "generate"},
           "__init__": {"nn", "ops", "parallel", "reference", "models", "convert"}}
 
 

@@ -4,8 +4,10 @@ attention). One configuration per model (CausalLMConfig, holding the MoEConfig o
 blocks), read from a transformers config.json; checkpoints come from `ms_moe_ops.convert`."""
 from .config import CausalLMConfig, GQAConfig, MLAConfig, RopeConfig
 from .causal_lm import CausalLMLoss, DecoderModel, MoECausalLM, generate
+from .generation import DecodeStep, cache_bytes_per_token, new_cache
 from .layers import DecoderLayer, GQAttention, MLAttention, MLP, RMSNorm
 
 __all__ = ["CausalLMConfig", "GQAConfig", "MLAConfig", "RopeConfig", "MoECausalLM",
            "DecoderModel", "CausalLMLoss", "generate", "DecoderLayer", "GQAttention",
-           "MLAttention", "MLP", "RMSNorm"]
+           "MLAttention", "MLP", "RMSNorm", "DecodeStep", "new_cache",
+           "cache_bytes_per_token"]

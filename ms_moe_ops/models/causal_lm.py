@@ -1,10 +1,10 @@
 """MoECausalLM: a whole decoder-only MoE language model (DeepSeek-V3/V2, Qwen3/Qwen2-MoE,
-Mixtral) on MoELayer; its training loss and greedy generation."""
-import numpy as np
+Mixtral) on MoELayer; its training loss (generation: models/generation.py)."""
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import nn, ops
 
 from .config import CausalLMConfig, GQAConfig
+from .generation import generate
 from .layers import DecoderLayer, Embedding, RMSNorm, RotaryEmbedding, causal_mask
 
 __all__ = ["MoECausalLM", "DecoderModel", "CausalLMLoss", "generate"]
@@ -43,8 +43,7 @@ class MoECausalLM(nn.Cell):
     directory written by `ms_moe_ops.convert.convert_checkpoint` and loads its weights;
     `ms_moe_ops.convert.export_checkpoint` writes them back in transformers' layout.
 
-    No KV cache: every call runs the whole sequence (`generate` keeps one fixed-size window, so
-    GRAPH mode compiles once)."""
+    A call runs the whole sequence; `generate` decodes with a KV cache (`DecodeStep`)."""
 
     def __init__(self, config):
         super().__init__()
@@ -59,7 +58,10 @@ class MoECausalLM(nn.Cell):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def construct(self, ids):
-        h = self.model(ids)
+        return self.head(self.model(ids))
+
+    def head(self, h):
+        """Final hidden states [..., H] -> logits [..., vocab]."""
         if self.tied:
             return ops.matmul(h, self.model.embed_tokens.weight.swapaxes(0, 1))
         return self.lm_head(h)
@@ -82,26 +84,3 @@ class CausalLMLoss(nn.Cell):
         log_probs = ops.log_softmax(logits.reshape(-1, logits.shape[-1]).astype(ms.float32), -1)
         picked = ops.gather_elements(log_probs, 1, labels.reshape(-1, 1).astype(ms.int32))
         return -picked.mean()
-
-
-def generate(net, ids, max_new_tokens, eos_token_id=None):
-    """Greedy decoding: ids [B, S0] (numpy or Tensor) -> numpy int64 [B, S0 + n], each new token
-    the argmax of the logits at the last filled position. The sequences live in one buffer of
-    S0 + max_new_tokens positions (the empty tail does not reach earlier positions through the
-    causal mask), so a GRAPH-mode model compiles once. With eos_token_id, a sequence that emitted
-    it is padded with it, and decoding stops when all have."""
-    ids = ids.asnumpy() if isinstance(ids, Tensor) else np.asarray(ids)
-    batch, start = ids.shape
-    buffer = np.zeros((batch, start + max_new_tokens), np.int32)
-    buffer[:, :start] = ids
-    done = np.zeros(batch, bool)
-    for pos in range(start, start + max_new_tokens):
-        logits = net(Tensor(buffer)).asnumpy()[:, pos - 1]
-        token = logits.argmax(-1)
-        if eos_token_id is not None:
-            token = np.where(done, eos_token_id, token)
-            done |= token == eos_token_id
-        buffer[:, pos] = token
-        if done.all():
-            return buffer[:, :pos + 1].astype(np.int64)
-    return buffer.astype(np.int64)

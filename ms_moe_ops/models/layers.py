@@ -11,7 +11,7 @@ from ..ops._indexing import take_rows
 from .config import GQAConfig
 
 __all__ = ["RMSNorm", "Embedding", "RotaryEmbedding", "GQAttention", "MLAttention", "MLP",
-           "DecoderLayer", "causal_mask"]
+           "DecoderLayer", "causal_mask", "write_cache"]
 
 _MIN = float(np.finfo(np.float32).min)
 
@@ -67,12 +67,13 @@ class RotaryEmbedding(nn.Cell):
 
 
 def rotate(x, cos, sin, interleave=False):
-    """The rotary embedding on the last axis of x [..., S, d]: halves paired (rotate_half), or
-    neighbouring dims paired (interleave; the rotated pairs come out as [evens | odds], as in
-    transformers' DeepSeek-V3, which leaves every query-key product unchanged)."""
+    """The rotary embedding on the last axis of x [..., S, d] (cos and sin [S, d], or
+    [B, 1, S, d] for positions of each sequence): halves paired (rotate_half), or neighbouring
+    dims paired (interleave; the rotated pairs come out as [evens | odds], as in transformers'
+    DeepSeek-V3, which leaves every query-key product unchanged)."""
     if interleave:
         half = cos.shape[-1] // 2
-        cos, sin = cos[:, :half], sin[:, :half]
+        cos, sin = cos[..., :half], sin[..., :half]
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return ops.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
     half = x.shape[-1] // 2
@@ -92,6 +93,20 @@ def causal_mask(length, window=None):
                      ops.full((length, length), _MIN, dtype=ms.float32))
 
 
+def write_cache(buffer, new, slot):
+    """buffer [B, h, L, d] with new [B, h, S, d] written at slots slot .. slot + S - 1 (slot a
+    scalar int Tensor, so one compiled graph serves every slot): a select, exact."""
+    length, s = buffer.shape[2], new.shape[2]
+    if s == 1:
+        at = (ops.arange(length) == slot).reshape(1, 1, length, 1)
+        return ops.where(at, new, buffer)
+    # one-hot placement [L, S]: each filled slot takes exactly one new row (x * 1 + 0s)
+    place = (ops.arange(length).reshape(-1, 1) == slot + ops.arange(s).reshape(1, -1))
+    placed = ops.matmul(place.astype(new.dtype), new)
+    filled = place.any(1).reshape(1, 1, length, 1)
+    return ops.where(filled, placed, buffer)
+
+
 def attend(q, k, v, mask, scaling):
     """softmax(q k^T * scaling + mask) v over [B, heads, S, d]."""
     scores = ops.matmul(q, k.swapaxes(-1, -2)) * scaling + mask
@@ -102,7 +117,9 @@ def attend(q, k, v, mask, scaling):
 
 class GQAttention(nn.Cell):
     """Grouped-query attention (Qwen3-MoE with q/k RMSNorm, Qwen2-MoE with q/k/v biases,
-    Mixtral; see GQAConfig). x [B, S, H] -> [B, S, H]."""
+    Mixtral; see GQAConfig). x [B, S, H] -> [B, S, H]; with a cache (k, v), each
+    [B, kv_heads, L, head_dim], the new keys and values are written at `slot` and the queries
+    attend over the whole cache (mask [B, 1, S, L]): -> (out, the new cache)."""
 
     def __init__(self, config, hidden_size):
         super().__init__()
@@ -119,7 +136,7 @@ class GQAttention(nn.Cell):
         self.head_dim = a.head_dim
         self.scaling = float(a.scaling)
 
-    def construct(self, x, cos, sin, mask):
+    def construct(self, x, cos, sin, mask, cache=None, slot=None):
         b, s, _ = x.shape
         d = self.head_dim
         q = self.q_proj(x).reshape(b, s, -1, d)
@@ -129,15 +146,23 @@ class GQAttention(nn.Cell):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotate(q.swapaxes(1, 2), cos, sin)
         k = rotate(k.swapaxes(1, 2), cos, sin)
+        if cache is not None:
+            k, v = write_cache(cache[0], k, slot), write_cache(cache[1], v, slot)
+            cache = (k, v)
         if self.groups > 1:  # each key/value head serves `groups` consecutive query heads
             k = ops.repeat_interleave(k, self.groups, 1)
             v = ops.repeat_interleave(v, self.groups, 1)
-        out = attend(q, k, v, mask, self.scaling)
-        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, -1))
+        out = self.o_proj(attend(q, k, v, mask, self.scaling).swapaxes(1, 2).reshape(b, s, -1))
+        if cache is None:
+            return out
+        return out, cache
 
 
 class MLAttention(nn.Cell):
-    """DeepSeek's multi-head latent attention (see MLAConfig). x [B, S, H] -> [B, S, H]."""
+    """DeepSeek's multi-head latent attention (see MLAConfig). x [B, S, H] -> [B, S, H]; with a
+    cache (normalised latent [B, 1, L, kv_lora_rank], rotary key [B, 1, L, qk_rope_head_dim]),
+    the chunk's are written at `slot` and the queries attend over the whole cache, its keys and
+    values rebuilt with kv_b_proj, or (absorb) in the latent space: -> (out, the new cache)."""
 
     def __init__(self, config, hidden_size):
         super().__init__()
@@ -160,7 +185,7 @@ class MLAttention(nn.Cell):
         self.interleave = a.interleave
         self.scaling = float(a.scaling)
 
-    def construct(self, x, cos, sin, mask):
+    def construct(self, x, cos, sin, mask, cache=None, slot=None, absorb=False):
         b, s, _ = x.shape
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -169,15 +194,44 @@ class MLAttention(nn.Cell):
         q = q.reshape(b, s, self.heads, -1).swapaxes(1, 2)
         q_nope, q_rot = ops.split(q, (self.nope, self.rope), -1)
         latent, k_rot = ops.split(self.kv_a_proj_with_mqa(x), (self.latent, self.rope), -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
-        kv = kv.reshape(b, s, self.heads, -1).swapaxes(1, 2)
-        k_nope, v = ops.split(kv, (self.nope, self.v_dim), -1)
+        latent = self.kv_a_layernorm(latent)
         q_rot = rotate(q_rot, cos, sin, self.interleave)
         k_rot = rotate(k_rot.reshape(b, 1, s, -1), cos, sin, self.interleave)  # one head, shared
+        if cache is not None:  # the cache holds the latent and the rotary key, not k and v
+            latent = write_cache(cache[0], latent.reshape(b, 1, s, -1), slot)
+            k_rot = write_cache(cache[1], k_rot, slot)
+            cache = (latent, k_rot)
+            if absorb:
+                out = self._absorbed(q_nope, q_rot, latent, k_rot, mask)
+                return self.o_proj(out.swapaxes(1, 2).reshape(b, s, -1)), cache
+        length = k_rot.shape[2]
+        kv = self.kv_b_proj(latent.reshape(b, length, -1))
+        kv = kv.reshape(b, length, self.heads, -1).swapaxes(1, 2)
+        k_nope, v = ops.split(kv, (self.nope, self.v_dim), -1)
         q = ops.cat((q_nope, q_rot), -1)
-        k = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, self.heads, s, self.rope))), -1)
-        out = attend(q, k, v, mask, self.scaling)
-        return self.o_proj(out.swapaxes(1, 2).reshape(b, s, -1))
+        k = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, self.heads, length, self.rope))), -1)
+        out = self.o_proj(attend(q, k, v, mask, self.scaling).swapaxes(1, 2).reshape(b, s, -1))
+        if cache is None:
+            return out
+        return out, cache
+
+    def _absorbed(self, q_nope, q_rot, latent, k_rot, mask):
+        """Attention in the latent space (DeepSeek-V2's absorbed projections): kv_b_proj's key
+        half folded into the queries, its value half applied after the softmax, so no
+        per-head key or value of the cached positions is ever formed. latent [B, 1, L, r],
+        k_rot [B, 1, L, rope] -> [B, heads, S, v_head_dim]."""
+        w = self.kv_b_proj.weight.reshape(self.heads, self.nope + self.v_dim, self.latent)
+        w_k, w_v = ops.split(w, (self.nope, self.v_dim), 1)  # [h, nope, r], [h, v, r]
+        b, h, s = q_nope.shape[0], self.heads, q_nope.shape[2]
+        length = latent.shape[2]
+        latent = ops.broadcast_to(latent, (b, h, length, self.latent))
+        k_rot = ops.broadcast_to(k_rot, (b, h, length, self.rope))
+        q_latent = ops.matmul(q_nope, ops.broadcast_to(w_k, (b, h, self.nope, self.latent)))
+        scores = (ops.matmul(q_latent, latent.swapaxes(-1, -2))
+                  + ops.matmul(q_rot, k_rot.swapaxes(-1, -2))) * self.scaling + mask
+        probs = ops.softmax(scores.astype(ms.float32), -1).astype(latent.dtype)
+        w_v = ops.broadcast_to(w_v.swapaxes(-1, -2), (b, h, self.latent, self.v_dim))
+        return ops.matmul(ops.matmul(probs, latent), w_v)
 
 
 class MLP(nn.Cell):
@@ -202,12 +256,21 @@ class DecoderLayer(nn.Cell):
         attention = GQAttention if isinstance(config.attention, GQAConfig) else MLAttention
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.self_attn = attention(config.attention, h)
+        self.mla = attention is MLAttention
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         if index in config.moe_layers:
             self.mlp = MoELayer.from_config(config.moe)
         else:
             self.mlp = MLP(h, config.intermediate_size)
 
-    def construct(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def construct(self, x, cos, sin, mask, cache=None, slot=None, absorb=False):
+        """With a cache (see the attention Cells): -> (x, the new cache)."""
+        if cache is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        if self.mla:
+            h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slot, absorb)
+        else:
+            h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slot)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
