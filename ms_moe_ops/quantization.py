@@ -89,7 +89,7 @@ class _QuantExperts(SelfCastingCell):
             raise RuntimeError(f"{type(self).__name__}: quantised experts are inference only; "
                                f"call set_train(False) (train the float model, then quantize)")
 
-    def bprop(self, *args):
+    def bprop(self, x, expert_tokens, out, dout):
         raise RuntimeError(f"{type(self).__name__}: quantised experts are inference only; they "
                            f"have no gradient (train the float model, then quantize)")
 
