@@ -248,7 +248,7 @@ def quantize(model, mode="int8", calibration=None):
                          f"float model once")
     if mode == "w8a16":
         for layer in layers:
-            layer.experts = W8A16Experts(layer.experts)
+            _replace_experts(model, layer, W8A16Experts(layer.experts))
         return model
     if calibration is None:
         raise ValueError("quantize: mode 'int8' needs calibration: an iterable of input batches "
@@ -262,7 +262,17 @@ def quantize(model, mode="int8", calibration=None):
             quantised = quantize_moe_ffn(experts, x, counts, output_dtype=dtype)
         else:
             quantised = Int8Experts(experts, *_swiglu_range(experts, x, counts))
-        layer.experts = quantised
+        _replace_experts(model, layer, quantised)
     return model
+
+
+def _replace_experts(model, layer, quantised):
+    """layer.experts = quantised, its parameters named after their place in model (a Cell set
+    after construction gets only its attribute's name as prefix, and GRAPH mode needs every
+    name once)."""
+    prefix = next(name for name, cell in model.cells_and_names() if cell is layer)
+    layer.experts = quantised
+    for name, p in quantised.parameters_and_names():
+        p.name = ".".join(filter(None, (prefix, "experts", name)))
 
 

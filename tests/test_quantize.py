@@ -147,7 +147,7 @@ def _causal_lm(family="qwen3_moe"):
     from ms_moe_ops.models import CausalLMConfig, MoECausalLM
 
     ms.set_seed(0)
-    return MoECausalLM(CausalLMConfig.from_transformers(hf_config(family, layers=2)))
+    return MoECausalLM(CausalLMConfig.from_transformers(hf_config(family, layers=3)))
 
 
 @pytest.mark.parametrize("quant_mode", ["int8", "w8a16"])
@@ -159,7 +159,9 @@ def test_whole_model_logits_stay_close(quant_mode, mode, rng):
     calibration = [ids] + [rng.integers(0, 64, (2, 12)) for _ in range(2)]
     assert ms_moe_ops.quantize(net, quant_mode, calibration=calibration) is net
     layers = ms_moe_ops.moe_layers(net)
-    assert len(layers) == 1 and not isinstance(layers[0].experts, ms_moe_ops.MoeFFN)
+    assert len(layers) == 2 and not isinstance(layers[0].experts, ms_moe_ops.MoeFFN)
+    # every parameter named after its place (GRAPH mode needs each name once)
+    assert layers[1].experts.weight1.name == "model.layers.2.mlp.experts.weight1"
     # attention, the router and the shared experts stay float
     assert net.model.layers[1].self_attn.q_proj.weight.dtype == ms.float32
     np.testing.assert_array_equal(net.model.layers[1].self_attn.q_proj.weight.asnumpy(), attention)
