@@ -2,6 +2,5 @@
 from . import nn, ops, parallel, reference
 from .nn import *  # noqa: F401,F403
 from .ops import *  # noqa: F401,F403
-from .quantization import quantize  # noqa: F401
 
 __version__ = "0.3.0"

@@ -7,7 +7,7 @@ from mindspore import Tensor, nn
 
 import ms_moe_ops
 from ms_moe_ops import MoELayer, QuantMoeFFN, reference
-from ms_moe_ops.quantization import Int8Experts, W8A16Experts
+from ms_moe_ops.nn import Int8Experts, W8A16Experts
 from conftest import needs_kernels, run
 
 H, F, E, K = 32, 16, 4, 2

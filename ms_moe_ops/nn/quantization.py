@@ -1,5 +1,5 @@
 """Post-training int8 quantisation of the routed experts of whole models:
-`ms_moe_ops.quantize(model, mode, calibration)`.
+`ms_moe_ops.quantize(model, mode, calibration)` (also `ms_moe_ops.nn.quantize`).
 
 Two modes, both per expert and output channel for the weights (symmetric, step max|w| / 127):
 - "int8" (W8A8): the activations entering each product are quantised too, with static scales
@@ -22,13 +22,13 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor
 
-from . import ops as moe_ops
-from .nn._precision import SelfCastingCell, register_opaque_to_rewrite
-from .nn.ffn import EXPERT_KINDS, MoeFFN
-from .nn.moe_layer import moe_layers, reset_expert_load
-from .nn.quant import quantize_moe_ffn
-from .ops.ffn import ACTIVATIONS as FUSED_ACTIVATIONS
-from .reference import swiglu_group
+from .. import ops as moe_ops
+from ..ops.ffn import ACTIVATIONS as FUSED_ACTIVATIONS
+from ..reference import swiglu_group
+from ._precision import SelfCastingCell, register_opaque_to_rewrite
+from .ffn import EXPERT_KINDS, MoeFFN
+from .moe_layer import moe_layers, reset_expert_load
+from .quant import quantize_moe_ffn
 
 __all__ = ["quantize", "QUANT_MODES", "Int8Experts", "W8A16Experts", "per_channel_int8"]
 
