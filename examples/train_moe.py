@@ -11,7 +11,8 @@ and, if asked, the auxiliary losses (Switch load balancing, sequence-wise balanc
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=runs/msrun --join=True \
         examples/train_moe.py --expert-parallel 2    # the experts split over 2 processes
 
-Writes to --out: the checkpoint (moe_lm.ckpt), loss.png (train/val loss), expert_load.png
+Writes to --out: the checkpoint (moe_lm.ckpt), chars.json (the vocabulary: a JSON list of the
+characters, index = token id), loss.png (train/val loss), expert_load.png
 (tokens per expert over time, per layer), and prints a summary and a sampled text. An --out that
 holds an earlier run is kept: the run goes to the first free --out_2, --out_3, ... (--overwrite
 replaces it).
@@ -203,6 +204,7 @@ def main(argv=None):
     ckpt = os.path.join(args.out, "moe_lm.ckpt")
     save_checkpoint(net, ckpt, ep)
     if rank == 0:
+        save_vocabulary(data, os.path.join(args.out, "chars.json"))
         plot_losses(train_losses, val_points, os.path.join(args.out, "loss.png"))
         plot_expert_load(loads, os.path.join(args.out, "expert_load.png"))
 
@@ -227,7 +229,8 @@ def main(argv=None):
         print("router losses (unscaled, mean over layers): " + ", ".join(
             f"{name} {np.mean([r[name] for r in router_losses[:window]]):.4f} -> "
             f"{np.mean([r[name] for r in router_losses[-window:]]):.4f}" for name in losses_on))
-    print(f"wrote {ckpt}, {os.path.join(args.out, 'loss.png')}, "
+    print(f"wrote {ckpt}, {os.path.join(args.out, 'chars.json')}, "
+          f"{os.path.join(args.out, 'loss.png')}, "
           f"{os.path.join(args.out, 'expert_load.png')}")
 
     prompt = data.val[:args.seq_len]
@@ -319,6 +322,15 @@ def save_checkpoint(net, path, ep):
     if ep.rank == 0:
         full = gather_experts([ms.load_checkpoint(part.format(r)) for r in range(ep.size)])
         ms.save_checkpoint([{"name": k, "data": v} for k, v in full.items()], path)
+
+
+def save_vocabulary(data, path):
+    """The character vocabulary as a JSON list (index = token id), for reading the model's ids
+    back as text."""
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data.chars, f)
 
 
 def cosine_schedule(peak, steps, warmup_frac=0.05):

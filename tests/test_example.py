@@ -1,6 +1,7 @@
 """examples/train_moe.py: end to end on tiny sizes (it writes everything it promises), on two
 processes with msrun, and its small decisions: where a run writes, how often it validates, how
 an expert-parallel run is launched."""
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ TINY = ["--steps", "3", "--batch-size", "4", "--seq-len", "16", "--d-model", "32
 sys.path.insert(0, EXAMPLES)
 try:
     import train_moe
+    from moe_lm import CharData
 finally:
     sys.path.pop(0)
 
@@ -33,6 +35,8 @@ def test_example_runs_a_few_steps(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("moe_lm.ckpt", "loss.png", "expert_load.png"):
         assert (out / name).stat().st_size > 0, name
+    chars = json.loads((out / "chars.json").read_text(encoding="utf-8"))
+    assert chars == CharData().chars and all(len(c) == 1 for c in chars)
     assert "== summary ==" in proc.stdout and "== sample" in proc.stdout
     assert "train loss" in proc.stdout and "load imbalance" in proc.stdout
     assert "router losses (unscaled, mean over layers): switch" in proc.stdout
