@@ -24,7 +24,6 @@ from mindspore import Parameter, Tensor
 
 from .. import ops as moe_ops
 from ..ops.ffn import ACTIVATIONS as FUSED_ACTIVATIONS
-from ..reference import swiglu_group
 from ._precision import SelfCastingCell, register_opaque_to_rewrite
 from .ffn import EXPERT_KINDS, MoeFFN
 from .moe_layer import moe_layers, reset_expert_load
@@ -202,13 +201,21 @@ def _calibrate(model, layers, calibration):
     return [observer.grouped() for observer in observers]
 
 
+def _swiglu(h, clamp_limit):
+    """SwiGLU of h [M, 2F] (gate | up) in float64, clamped as swiglu_group clamps."""
+    gate, up = np.split(h, 2, axis=-1)
+    if clamp_limit > 0:
+        gate, up = np.minimum(gate, clamp_limit), np.clip(up, -clamp_limit, clamp_limit)
+    return gate / (1 + np.exp(-gate)) * up
+
+
 def _swiglu_range(experts, x, counts):
     """(max|x|, max|swiglu(x @ weight1 + bias1)|) of the float experts on their rows."""
     w1, b1 = _numpy(experts.weight1), _numpy(experts.bias1)
     a_max, start = 0.0, 0
     for e, n in enumerate(counts):
         h = x[start:start + n].astype(np.float64) @ w1[e] + (0.0 if b1 is None else b1[e])
-        a = swiglu_group(h, clamp_limit=experts.clamp_limit)
+        a = _swiglu(h, experts.clamp_limit)
         a_max = max(a_max, float(np.abs(a).max(initial=0.0)))
         start += n
     return float(np.abs(x).max(initial=0.0)), a_max
