@@ -52,8 +52,11 @@ def _relative(a, b):
 def test_swiglu_experts_match_the_golden_model(quant_mode, mode, rng):
     layer = _layer()
     w1, w2 = layer.experts.weight1.asnumpy(), layer.experts.weight2.asnumpy()
-    ms_moe_ops.quantize(layer, quant_mode, calibration=[_x(rng)])
+    calibration = _x(rng)
+    ms_moe_ops.quantize(layer, quant_mode, calibration=[calibration])
     experts = layer.experts
+    if quant_mode == "int8":  # every token reaches K experts: x's step is max|x| / 127
+        assert experts.x_step.asnumpy() == np.float32(np.abs(calibration.asnumpy()).max() / 127)
     assert type(experts) is (Int8Experts if quant_mode == "int8" else W8A16Experts)
     # the weights: int8 per expert and output channel, deq = activation step * weight step
     q1, s1 = reference.per_channel_int8(w1)
