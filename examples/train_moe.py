@@ -65,6 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="split every layer's experts over N processes (launch with msrun "
                         "--worker_num=N --local_worker_num=N); each trains on its own batches")
+    p.add_argument("--model", choices=("moe-lm", "causal-lm"), default="moe-lm",
+                   help="moe-lm: the small transformer of moe_lm.py; causal-lm: an "
+                        "ms_moe_ops.models.MoECausalLM (DeepSeek-V3, or DeepSeek-V2 with "
+                        "--router softmax), also saved as a directory load_pretrained reads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/moe_lm", help="output directory")
     p.add_argument("--overwrite", action="store_true",
@@ -108,6 +112,8 @@ def how_to_launch(n, argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.model == "causal-lm" and args.expert_parallel > 1:
+        raise SystemExit("--model causal-lm runs in one process (--expert-parallel 1)")
     if args.expert_parallel > 1 and not launched_by_msrun():
         raise SystemExit(how_to_launch(args.expert_parallel,
                                        sys.argv[1:] if argv is None else list(argv)))
@@ -205,6 +211,8 @@ def main(argv=None):
     save_checkpoint(net, ckpt, ep)
     if rank == 0:
         save_vocabulary(data, os.path.join(args.out, "chars.json"))
+        if args.model == "causal-lm":
+            net.save_pretrained(args.out)  # config.json, model.safetensors
         plot_losses(train_losses, val_points, os.path.join(args.out, "loss.png"))
         plot_expert_load(loads, os.path.join(args.out, "expert_load.png"))
 
@@ -238,7 +246,7 @@ def main(argv=None):
     print("\n== sample (prompt from the validation text, then generated) ==")
     print(data.decode(prompt) + "|" + text)
     return {"train_loss": train_losses, "val": val_points, "loads": loads, "elapsed": elapsed,
-            "router_losses": router_losses}
+            "router_losses": router_losses, "net": net}
 
 
 def router_loss_values(net):
@@ -272,6 +280,11 @@ def build_model(args, data, ep):
     from ms_moe_ops.parallel import shard_experts
 
     moe = moe_config(args)
+    if args.model == "causal-lm":
+        from moe_lm import CharCausalLM, causal_lm_config
+
+        config = causal_lm_config(data.vocab_size, args.seq_len, args.heads, args.layers, moe)
+        return CharCausalLM(config, args.seq_len, **moe_overrides(args))
 
     def model(expert_parallel=None):
         return MoELanguageModel(data.vocab_size, args.seq_len, args.heads, args.layers, moe,
@@ -283,6 +296,13 @@ def build_model(args, data, ep):
     part = model(ep)
     ms.load_param_into_net(part, shard_experts(net.parameters_dict(), ep.rank, ep.size))
     return part
+
+
+def moe_overrides(args):
+    """The MoEConfig options of the flags that a transformers configuration does not hold."""
+    return dict(bias_update_rate=args.bias_update_rate, aux_loss_coeff=args.aux_loss,
+                seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss,
+                capacity_factor=args.capacity_factor)
 
 
 def moe_config(args):
