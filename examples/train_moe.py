@@ -11,6 +11,10 @@ and, if asked, the auxiliary losses (Switch load balancing, sequence-wise balanc
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=runs/msrun --join=True \
         examples/train_moe.py --expert-parallel 2    # the experts split over 2 processes
 
+--model causal-lm trains an ms_moe_ops.models.MoECausalLM instead (DeepSeek-V3's architecture,
+DeepSeek-V2's with --router softmax; one process) and also writes config.json and
+model.safetensors, which `ms_moe_ops.convert.load_pretrained(out)` reads.
+
 Writes to --out: the checkpoint (moe_lm.ckpt), chars.json (the vocabulary: a JSON list of the
 characters, index = token id), loss.png (train/val loss), expert_load.png
 (tokens per expert over time, per layer), and prints a summary and a sampled text. An --out that

@@ -44,6 +44,39 @@ def test_example_runs_a_few_steps(tmp_path):
     assert "val loss" in proc.stdout and "(step 3)" in proc.stdout
 
 
+@pytest.mark.slow  # a whole run: about 40 s
+def test_causal_lm_run_saves_a_model_load_pretrained_reads(tmp_path):
+    """--model causal-lm trains a MoECausalLM and saves config.json + model.safetensors:
+    load_pretrained gives the trained weights back (the same loss as moe_lm.ckpt's)."""
+    import numpy as np
+    from ms_moe_ops.convert import load_pretrained
+    from moe_lm import CharCausalLM, causal_lm_config
+
+    out = tmp_path / "run"
+    flags = [*TINY, "--layers", "2", "--sample-chars", "5", "--model", "causal-lm", "--z-loss",
+             "1e-3", "--out", str(out)]
+    proc = subprocess.run([sys.executable, EXAMPLE, *flags], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    assert config["model_type"] == "deepseek_v3" and config["n_routed_experts"] == 4
+    assert json.loads((out / "chars.json").read_text(encoding="utf-8")) == CharData().chars
+
+    args = train_moe.parse_args(flags)
+    trained = CharCausalLM(causal_lm_config(len(CharData().chars), 16, 2, 2,
+                                            train_moe.moe_config(args)), 16)
+    not_loaded, _ = ms.load_param_into_net(trained, ms.load_checkpoint(str(out / "moe_lm.ckpt")))
+    assert not [n for n in not_loaded if "router." not in n], not_loaded
+    loaded = load_pretrained(str(out))
+    data = CharData()
+    x, y = data.batch("val", 4, 16, np.random.default_rng(0))
+    loss = ms.nn.CrossEntropyLoss()
+    expected = float(loss(trained(ms.Tensor(x)), ms.Tensor(y.reshape(-1))))
+    got = float(loss(loaded(ms.Tensor(x)).reshape(-1, len(data.chars)), ms.Tensor(y.reshape(-1))))
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.distributed
 @cpu_only("msrun workers on the CPU backend")
 def test_example_with_experts_split_over_two_processes(tmp_path):
