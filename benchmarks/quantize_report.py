@@ -51,7 +51,8 @@ def trained_model_report(args):
         return net
 
     rng = np.random.default_rng(1234)
-    val = [data.batch("val", flags.batch_size, flags.seq_len, rng) for _ in range(args.eval_batches)]
+    val = [data.batch("val", flags.batch_size, flags.seq_len, rng)
+           for _ in range(args.eval_batches)]
     calibration = [data.batch("train", flags.batch_size, flags.seq_len, rng)[0]
                    for _ in range(args.calibration)]
     loss_fn = ms.nn.CrossEntropyLoss()

@@ -72,7 +72,8 @@ def test_swiglu_experts_match_the_golden_model(quant_mode, mode, rng):
     golden = _golden(experts, x, counts)
     # float32 products of integer-valued operands: the golden's value, rounded (an activation
     # exactly between two int8 steps in float64 may round the other way in float32: one step)
-    tolerance = 1e-5 if quant_mode == "w8a16" else 1e-5 + float(np.abs(q2).max() * s2.max() * a_step)
+    one_step = float(np.abs(q2).max() * s2.max() * a_step)
+    tolerance = 1e-5 if quant_mode == "w8a16" else 1e-5 + one_step
     np.testing.assert_allclose(y, golden, rtol=1e-5, atol=tolerance)
     assert _relative(y, golden) < 1e-5  # one step happens rarely, if at all
 
