@@ -4,6 +4,7 @@ weights, and the logits drift of every family's tiny converted model (tests/hf_m
 
     python examples/train_moe.py --steps 300 --out runs/q300     # the trained model (~1.5 min)
     python benchmarks/quantize_report.py --run runs/q300         # + the train_moe flags it used
+    python benchmarks/quantize_report.py --run RUN --model causal-lm   # a --model causal-lm run
     python benchmarks/quantize_report.py --families-only         # no trained model needed
 
 The validation loss is the mean over --eval-batches fixed batches of the validation text (the
@@ -44,6 +45,13 @@ def trained_model_report(args):
     data = CharData()
 
     def load():
+        if flags.model == "causal-lm":  # the directory load_pretrained reads
+            from ms_moe_ops.convert import load_pretrained
+
+            lm = load_pretrained(args.run)
+            net = ms.nn.SequentialCell(lm, ms.nn.Flatten(0, 1))
+            net.set_train(False)
+            return net
         net = MoELanguageModel(data.vocab_size, flags.seq_len, flags.heads, flags.layers,
                                train_moe.moe_config(flags))
         ms.load_param_into_net(net, ms.load_checkpoint(os.path.join(args.run, "moe_lm.ckpt")))
