@@ -110,3 +110,60 @@ class MoELanguageModel(nn.Cell):
             ids.append(nxt)
             out.append(nxt)
         return data.decode(out)
+
+
+def causal_lm_config(vocab_size, seq_len, heads, layers, moe):
+    """The transformers configuration (a dict, config.json's content) of a MoECausalLM with
+    train_moe.py's sizes and routing: DeepSeek-V3 for the sigmoid router, DeepSeek-V2 for
+    softmax (multi-head latent attention, no dense layer, one expert group)."""
+    d = moe.hidden_size
+    head = d // heads
+    family = "deepseek_v3" if moe.score_func == "sigmoid" else "deepseek_v2"
+    config = dict(
+        model_type=family, vocab_size=vocab_size, hidden_size=d,
+        intermediate_size=moe.ffn_hidden_size, moe_intermediate_size=moe.ffn_hidden_size,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+        n_shared_experts=moe.n_shared_experts, first_k_dense_replace=0, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=moe.norm_topk_prob, q_lora_rank=None,
+        kv_lora_rank=d // 2, qk_nope_head_dim=head // 2, qk_rope_head_dim=head // 2,
+        v_head_dim=head, max_position_embeddings=seq_len, rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
+    if family == "deepseek_v2":
+        config["topk_method"] = "greedy"
+    return config
+
+
+class CharCausalLM(nn.Cell):
+    """An ms_moe_ops.models.MoECausalLM (`lm`) with MoELanguageModel's interface: ids [B, S] ->
+    logits [B * S, vocab], and `sample`. config: causal_lm_config's dict; moe_overrides: the
+    MoEConfig options that are not the model's (training losses, bias_update_rate, capacity)."""
+
+    def __init__(self, config, seq_len, **moe_overrides):
+        super().__init__()
+        from ms_moe_ops.models import CausalLMConfig, MoECausalLM
+
+        self.config = config
+        self.lm = MoECausalLM(CausalLMConfig.from_transformers(config, **moe_overrides))
+        self.seq_len = seq_len
+        self.vocab_size = config["vocab_size"]
+
+    def construct(self, ids):
+        return self.lm(ids).reshape(-1, self.vocab_size)
+
+    sample = MoELanguageModel.sample
+
+    def save_pretrained(self, out):
+        """config.json (transformers' layout of its family) and model.safetensors in out, as
+        `ms_moe_ops.convert.load_pretrained(out)` reads them (written through the package's
+        export to transformers' layout, then its conversion)."""
+        import os
+        import shutil
+        import tempfile
+        from ms_moe_ops.convert import convert_checkpoint, export_checkpoint
+
+        with tempfile.TemporaryDirectory(dir=out) as tmp:
+            export_checkpoint(self.lm, os.path.join(tmp, "hf"), config=self.config)
+            convert_checkpoint(os.path.join(tmp, "hf"), os.path.join(tmp, "ms"))
+            for name in os.listdir(os.path.join(tmp, "ms")):
+                shutil.move(os.path.join(tmp, "ms", name), os.path.join(out, name))

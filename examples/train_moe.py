@@ -11,7 +11,12 @@ and, if asked, the auxiliary losses (Switch load balancing, sequence-wise balanc
     msrun --worker_num=2 --local_worker_num=2 --master_port=8118 --log_dir=runs/msrun --join=True \
         examples/train_moe.py --expert-parallel 2    # the experts split over 2 processes
 
-Writes to --out: the checkpoint (moe_lm.ckpt), loss.png (train/val loss), expert_load.png
+--model causal-lm trains an ms_moe_ops.models.MoECausalLM instead (DeepSeek-V3's architecture,
+DeepSeek-V2's with --router softmax; one process) and also writes config.json and
+model.safetensors, which `ms_moe_ops.convert.load_pretrained(out)` reads.
+
+Writes to --out: the checkpoint (moe_lm.ckpt), chars.json (the vocabulary: a JSON list of the
+characters, index = token id), loss.png (train/val loss), expert_load.png
 (tokens per expert over time, per layer), and prints a summary and a sampled text. An --out that
 holds an earlier run is kept: the run goes to the first free --out_2, --out_3, ... (--overwrite
 replaces it).
@@ -64,6 +69,10 @@ def parse_args(argv=None):
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="split every layer's experts over N processes (launch with msrun "
                         "--worker_num=N --local_worker_num=N); each trains on its own batches")
+    p.add_argument("--model", choices=("moe-lm", "causal-lm"), default="moe-lm",
+                   help="moe-lm: the small transformer of moe_lm.py; causal-lm: an "
+                        "ms_moe_ops.models.MoECausalLM (DeepSeek-V3, or DeepSeek-V2 with "
+                        "--router softmax), also saved as a directory load_pretrained reads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/moe_lm", help="output directory")
     p.add_argument("--overwrite", action="store_true",
@@ -107,6 +116,8 @@ def how_to_launch(n, argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.model == "causal-lm" and args.expert_parallel > 1:
+        raise SystemExit("--model causal-lm runs in one process (--expert-parallel 1)")
     if args.expert_parallel > 1 and not launched_by_msrun():
         raise SystemExit(how_to_launch(args.expert_parallel,
                                        sys.argv[1:] if argv is None else list(argv)))
@@ -203,6 +214,9 @@ def main(argv=None):
     ckpt = os.path.join(args.out, "moe_lm.ckpt")
     save_checkpoint(net, ckpt, ep)
     if rank == 0:
+        save_vocabulary(data, os.path.join(args.out, "chars.json"))
+        if args.model == "causal-lm":
+            net.save_pretrained(args.out)  # config.json, model.safetensors
         plot_losses(train_losses, val_points, os.path.join(args.out, "loss.png"))
         plot_expert_load(loads, os.path.join(args.out, "expert_load.png"))
 
@@ -227,7 +241,8 @@ def main(argv=None):
         print("router losses (unscaled, mean over layers): " + ", ".join(
             f"{name} {np.mean([r[name] for r in router_losses[:window]]):.4f} -> "
             f"{np.mean([r[name] for r in router_losses[-window:]]):.4f}" for name in losses_on))
-    print(f"wrote {ckpt}, {os.path.join(args.out, 'loss.png')}, "
+    print(f"wrote {ckpt}, {os.path.join(args.out, 'chars.json')}, "
+          f"{os.path.join(args.out, 'loss.png')}, "
           f"{os.path.join(args.out, 'expert_load.png')}")
 
     prompt = data.val[:args.seq_len]
@@ -235,7 +250,7 @@ def main(argv=None):
     print("\n== sample (prompt from the validation text, then generated) ==")
     print(data.decode(prompt) + "|" + text)
     return {"train_loss": train_losses, "val": val_points, "loads": loads, "elapsed": elapsed,
-            "router_losses": router_losses}
+            "router_losses": router_losses, "net": net}
 
 
 def router_loss_values(net):
@@ -269,6 +284,11 @@ def build_model(args, data, ep):
     from ms_moe_ops.parallel import shard_experts
 
     moe = moe_config(args)
+    if args.model == "causal-lm":
+        from moe_lm import CharCausalLM, causal_lm_config
+
+        config = causal_lm_config(data.vocab_size, args.seq_len, args.heads, args.layers, moe)
+        return CharCausalLM(config, args.seq_len, **moe_overrides(args))
 
     def model(expert_parallel=None):
         return MoELanguageModel(data.vocab_size, args.seq_len, args.heads, args.layers, moe,
@@ -280,6 +300,13 @@ def build_model(args, data, ep):
     part = model(ep)
     ms.load_param_into_net(part, shard_experts(net.parameters_dict(), ep.rank, ep.size))
     return part
+
+
+def moe_overrides(args):
+    """The MoEConfig options of the flags that a transformers configuration does not hold."""
+    return dict(bias_update_rate=args.bias_update_rate, aux_loss_coeff=args.aux_loss,
+                seq_aux_loss_coeff=args.seq_aux_loss, z_loss_coeff=args.z_loss,
+                capacity_factor=args.capacity_factor)
 
 
 def moe_config(args):
@@ -319,6 +346,15 @@ def save_checkpoint(net, path, ep):
     if ep.rank == 0:
         full = gather_experts([ms.load_checkpoint(part.format(r)) for r in range(ep.size)])
         ms.save_checkpoint([{"name": k, "data": v} for k, v in full.items()], path)
+
+
+def save_vocabulary(data, path):
+    """The character vocabulary as a JSON list (index = token id), for reading the model's ids
+    back as text."""
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data.chars, f)
 
 
 def cosine_schedule(peak, steps, warmup_frac=0.05):

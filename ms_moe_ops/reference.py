@@ -479,3 +479,49 @@ def moe_ffn(x, expert_tokens, weight1, weight2, bias1=None, bias2=None, scale=No
     h = grouped_matmul(x, weight1, expert_tokens, bias1, cumulative=tokens_index_flag)
     return grouped_matmul(ffn_activation(activation, h), weight2, expert_tokens, bias2,
                           cumulative=tokens_index_flag)
+
+
+# -- quantised experts (ms_moe_ops.quantize: Int8Experts, W8A16Experts) ---------------------------
+
+def per_channel_int8(w):
+    """w [E, K, N] -> (int8 [E, K, N], float32 step [E, N]): symmetric per expert and output
+    column, step max|w| / 127 (1 for a zero column)."""
+    w = np.asarray(w, np.float64)
+    step = np.abs(w).max(axis=1) / 127
+    step[step == 0] = 1.0
+    step = step.astype(np.float32)
+    return np.clip(np.rint(w / step[:, None, :]), -127, 127).astype(np.int8), step
+
+
+def _static_int8(v, step):
+    return np.clip(np.rint(np.asarray(v, np.float64) / np.float64(step)), -128, 127)
+
+
+def quantized_experts(x, expert_tokens, weight1_q, deq_scale1, weight2_q, deq_scale2,
+                      activation="swiglu", x_step=None, a_step=None, bias1=None, bias2=None,
+                      clamp_limit=0.0):
+    """-> y [M, H] float64 of quantised experts, with exact integer products. W8A16 (x_step None):
+    y = act(x @ (w1_q * deq1) + b1) @ (w2_q * deq2) + b2. W8A8: x_q = int8(x / x_step),
+    h = (x_q @ w1_q) * deq1 + b1, a_q = int8(act(h) / a_step), y = (a_q @ w2_q) * deq2 + b2
+    (int8(): round half to even, saturated to [-128, 127]; deq = activation step * weight
+    step)."""
+    x = np.asarray(x, np.float64)
+    w1 = np.asarray(weight1_q, np.int64)
+    w2 = np.asarray(weight2_q, np.int64)
+    d1 = np.asarray(deq_scale1, np.float64)
+    d2 = np.asarray(deq_scale2, np.float64)
+    out = np.zeros((x.shape[0], w2.shape[2]))
+    for e, (s, end) in enumerate(_group_offsets(expert_tokens, x.shape[0], False, True)):
+        rows = x[s:end]
+        if x_step is None:
+            h = rows @ (w1[e] * d1[e])
+        else:
+            h = (_static_int8(rows, x_step).astype(np.int64) @ w1[e]) * d1[e]
+        h = h + (0.0 if bias1 is None else np.asarray(bias1, np.float64)[e])
+        a = _moe_activation(activation, h, clamp_limit)
+        if a_step is None:
+            y = a @ (w2[e] * d2[e])
+        else:
+            y = (_static_int8(a, a_step).astype(np.int64) @ w2[e]) * d2[e]
+        out[s:end] = y + (0.0 if bias2 is None else np.asarray(bias2, np.float64)[e])
+    return out

@@ -1,6 +1,7 @@
 """examples/train_moe.py: end to end on tiny sizes (it writes everything it promises), on two
 processes with msrun, and its small decisions: where a run writes, how often it validates, how
 an expert-parallel run is launched."""
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ TINY = ["--steps", "3", "--batch-size", "4", "--seq-len", "16", "--d-model", "32
 sys.path.insert(0, EXAMPLES)
 try:
     import train_moe
+    from moe_lm import CharData
 finally:
     sys.path.pop(0)
 
@@ -33,11 +35,46 @@ def test_example_runs_a_few_steps(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("moe_lm.ckpt", "loss.png", "expert_load.png"):
         assert (out / name).stat().st_size > 0, name
+    chars = json.loads((out / "chars.json").read_text(encoding="utf-8"))
+    assert chars == CharData().chars and all(len(c) == 1 for c in chars)
     assert "== summary ==" in proc.stdout and "== sample" in proc.stdout
     assert "train loss" in proc.stdout and "load imbalance" in proc.stdout
     assert "router losses (unscaled, mean over layers): switch" in proc.stdout
     # validated after every one of the 3 steps: a curve, not two points
     assert "val loss" in proc.stdout and "(step 3)" in proc.stdout
+
+
+@pytest.mark.slow  # a whole run: about 40 s
+def test_causal_lm_run_saves_a_model_load_pretrained_reads(tmp_path):
+    """--model causal-lm trains a MoECausalLM and saves config.json + model.safetensors:
+    load_pretrained gives the trained weights back (the same loss as moe_lm.ckpt's)."""
+    import numpy as np
+    from ms_moe_ops.convert import load_pretrained
+    from moe_lm import CharCausalLM, causal_lm_config
+
+    out = tmp_path / "run"
+    flags = [*TINY, "--layers", "2", "--sample-chars", "5", "--model", "causal-lm", "--z-loss",
+             "1e-3", "--out", str(out)]
+    proc = subprocess.run([sys.executable, EXAMPLE, *flags], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    assert config["model_type"] == "deepseek_v3" and config["n_routed_experts"] == 4
+    assert json.loads((out / "chars.json").read_text(encoding="utf-8")) == CharData().chars
+
+    args = train_moe.parse_args(flags)
+    trained = CharCausalLM(causal_lm_config(len(CharData().chars), 16, 2, 2,
+                                            train_moe.moe_config(args)), 16)
+    not_loaded, _ = ms.load_param_into_net(trained, ms.load_checkpoint(str(out / "moe_lm.ckpt")))
+    assert not [n for n in not_loaded if "router." not in n], not_loaded
+    loaded = load_pretrained(str(out))
+    data = CharData()
+    x, y = data.batch("val", 4, 16, np.random.default_rng(0))
+    loss = ms.nn.CrossEntropyLoss()
+    expected = float(loss(trained(ms.Tensor(x)), ms.Tensor(y.reshape(-1))))
+    got = float(loss(loaded(ms.Tensor(x)).reshape(-1, len(data.chars)), ms.Tensor(y.reshape(-1))))
+    assert got == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.distributed

@@ -11,6 +11,7 @@ from .families import (convert_deepseek_v2_moe, convert_deepseek_v3_moe, convert
                        convert_moe_checkpoint, convert_qwen2_moe, convert_qwen3_moe,
                        moe_config_from_transformers)
 from .quant import QuantMoeFFN, quantize_moe_ffn
+from .quantization import Int8Experts, W8A16Experts, quantize
 
 __all__ = ["GatingTopK", "MoeFFN", "MoELayer", "SharedExperts", "AuxLossScaler",
            "set_loss_scale",
@@ -19,4 +20,5 @@ __all__ = ["GatingTopK", "MoeFFN", "MoELayer", "SharedExperts", "AuxLossScaler",
            "moe_layers", "expert_load", "load_imbalance", "dropped_fraction", "update_expert_bias",
            "reset_expert_load", "moe_config_from_transformers", "convert_moe_checkpoint",
            "convert_deepseek_v3_moe", "convert_deepseek_v2_moe", "convert_qwen3_moe",
-           "convert_qwen2_moe", "convert_mixtral_moe", "QuantMoeFFN", "quantize_moe_ffn"]
+           "convert_qwen2_moe", "convert_mixtral_moe", "QuantMoeFFN", "quantize_moe_ffn",
+           "quantize", "Int8Experts", "W8A16Experts"]

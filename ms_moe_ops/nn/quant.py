@@ -122,7 +122,7 @@ def quantize_moe_ffn(cell, calibration_x, expert_tokens, output_dtype="float16")
     b2_q = (0.0 if b2 is None else b2 / deq2) - offset[:, None] * colsum
     b2_q = _int32(b2_q, "bias2")
     return QuantMoeFFN(x_step, w1_q, w2_q, b1_q, b2_q, scale, offset, deq1, deq2, activation,
-                       output_dtype)
+                       output_dtype, padded=bool(getattr(cell, "padded", False)))
 
 
 class QuantMoeFFN(SelfCastingCell):
@@ -133,14 +133,17 @@ class QuantMoeFFN(SelfCastingCell):
     products run on the int8 path of `moe_ffn`. Inference only: asking for a gradient raises.
     Mixed precision (`to_float`, `auto_mixed_precision`) changes nothing: the scales stay float32
     and y has output_dtype.
+    padded=True (set from the MoeFFN's own): the counts may cover fewer rows than x has, as in
+    moe_ffn. Inference only: in training mode (`set_train()`) it raises RuntimeError.
     Parameters (x_step: the static x scale, int8 weights, int32 biases, float32 scale/offset,
     uint64 dequant scales) are saved and loaded with the usual checkpoint functions.
     """
 
     def __init__(self, x_step, weight1, weight2, bias1, bias2, scale, offset, deq_scale1,
-                 deq_scale2, activation="fastgelu", output_dtype="float16"):
+                 deq_scale2, activation="fastgelu", output_dtype="float16", padded=False):
         super().__init__()
         self.activation = activation
+        self.padded = padded
         self.output_dtype = dtype_arg("QuantMoeFFN", "output_dtype", output_dtype, OUTPUT_DTYPES)
 
         def param(v, dtype, name):
@@ -159,6 +162,9 @@ class QuantMoeFFN(SelfCastingCell):
         self.num_experts, self.hidden_size = self.weight1.shape[:2]
 
     def construct(self, x, expert_tokens):
+        if self.training:
+            raise RuntimeError("QuantMoeFFN: the int8 path is inference only; call "
+                               "set_train(False) (train the float model, then quantise it)")
         checked("QuantMoeFFN", "x", x, ("[M, {}]",), self.hidden_size)
         checked("QuantMoeFFN", "expert_tokens", expert_tokens, ("[{}]",),
                 self.num_experts, ("int64",))
@@ -166,7 +172,7 @@ class QuantMoeFFN(SelfCastingCell):
         return moe_ops.moe_ffn(x_q.astype(ms.int8), expert_tokens, self.weight1, self.weight2,
                                self.bias1, self.bias2, self.scale, self.offset, self.deq_scale1,
                                self.deq_scale2, activation=self.activation,
-                               output_dtype=self.output_dtype)
+                               output_dtype=self.output_dtype, padded=self.padded)
 
     def extend_repr(self):
         e, h, f = self.weight1.shape
