@@ -44,7 +44,8 @@ def parse_args(argv=None):
                    help="sample among the fewest best tokens whose probability reaches p")
     p.add_argument("--seed", type=int, default=None, help="the sampling seed")
     p.add_argument("--quantize", choices=("int8", "w8a16"),
-                   help="int8 experts: W8A8 (int8) or weight-only (w8a16)")
+                   help="int8 experts: W8A8 (int8; activation scales calibrated on the prompt) "
+                        "or weight-only (w8a16)")
     return p.parse_args(argv)
 
 
@@ -144,10 +145,6 @@ def run(args):
     import ms_moe_ops
     from .models import DecodeStep, generate
 
-    quantize = getattr(ms_moe_ops, "quantize", None)
-    if args.quantize and quantize is None:
-        raise CommandError(f"--quantize {args.quantize}: quantisation is unavailable in this "
-                           f"version of ms_moe_ops (no ms_moe_ops.quantize)")
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
     with tempfile.TemporaryDirectory(prefix="ms_moe_ops-generate-") as workdir:
         net, raw = load_model(args.model_dir, workdir)
@@ -157,8 +154,11 @@ def run(args):
                            f"{len(ids)} tokens, the model's context (max_position_embeddings) "
                            f"is {context}")
     new = min(args.max_new_tokens, context - len(ids))
-    if quantize is not None and args.quantize:
-        quantize(net, args.quantize)
+    if args.quantize:
+        # int8's static activation scales are calibrated on the prompt, the only text of the run
+        calibration = [ms.Tensor(np.array([ids], np.int32))] if args.quantize == "int8" else None
+        ms_moe_ops.quantize(net, args.quantize, calibration=calibration)
+        print(f"routed experts quantised: {args.quantize}", file=sys.stderr)
 
     generated = []
     shown = [""]

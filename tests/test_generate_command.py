@@ -90,9 +90,24 @@ def test_errors(dirs, tmp_path, capsys):
     long = " ".join(["w1"] * 130)  # the tiny models' context is 128
     code, _, err = run(capsys, dirs / "ms", "--prompt", long, "--mode", "pynative")
     assert code == 2 and "130 tokens" in err and "128" in err and "config.json" in err
-    if not hasattr(ms_moe_ops, "quantize"):
-        code, _, err = run(capsys, dirs / "ms", "--prompt", "w1", "--quantize", "int8")
-        assert code == 2 and "quantisation is unavailable" in err
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a16"])
+def test_quantized_experts(mode, dirs, capsys):
+    """--quantize: the experts of the loaded model quantised as ms_moe_ops.quantize does (int8
+    calibrated on the prompt), the greedy tokens those of generate on that model."""
+    prompt = "w3 w17 w42 w5"
+    code, out, err = run(capsys, dirs / "ms", "--prompt", prompt, "--greedy",
+                         "--max-new-tokens", 4, "--mode", "pynative", "--quantize", mode)
+    assert code == 0, err
+    assert f"routed experts quantised: {mode}" in err
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ids = np.array([[WORDS.index(w) for w in prompt.split()]])
+    net = load_pretrained(str(dirs / "ms"))
+    ms_moe_ops.quantize(net, mode, calibration=[ms.Tensor(ids.astype(np.int32))]
+                        if mode == "int8" else None)
+    tokens = generate(net, ids, 4)[0, 4:]
+    assert out == prompt + "".join(" " + WORDS[t] for t in tokens) + "\n"
 
 
 def test_command_line_exit_code(tmp_path):
