@@ -75,6 +75,13 @@ def test_causal_lm_run_saves_a_model_load_pretrained_reads(tmp_path):
     expected = float(loss(trained(ms.Tensor(x)), ms.Tensor(y.reshape(-1))))
     got = float(loss(loaded(ms.Tensor(x)).reshape(-1, len(data.chars)), ms.Tensor(y.reshape(-1))))
     assert got == pytest.approx(expected, rel=1e-6)
+    # and the generate command talks with it, through chars.json
+    proc = subprocess.run([sys.executable, "-m", "ms_moe_ops.generate", str(out), "--prompt",
+                           "def ", "--greedy", "--max-new-tokens", "8", "--mode", "pynative"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("def ") and len(proc.stdout.rstrip("\n")) == 12, proc.stdout
+    assert "tokens/s" in proc.stderr
 
 
 @pytest.mark.distributed
