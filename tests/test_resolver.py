@@ -369,6 +369,30 @@ def test_platform_is_read_from_mindspore():
         ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
+def test_a_jit_function_in_pynative_mode_resolves_as_graph(monkeypatch):
+    """A @ms.jit function is compiled into a graph although the context says PyNative: the
+    PyNative-only routes (the C++ extension's runner) must not be chosen there."""
+    monkeypatch.setenv(_platform.IMPL_ENV, "composition")
+    modes = []
+    real = _op.choose
+
+    def spy(op, attr_items, platform, signature):
+        modes.append(platform[2])
+        return real(op, attr_items, platform, signature)
+
+    spy.cache_clear = real.cache_clear
+    monkeypatch.setattr(_op, "choose", spy)
+
+    def permute(a, b):
+        return PERMUTE(a, b, num_experts=4)[0]
+
+    x = Tensor(np.ones((4, 3), np.float32))
+    idx = Tensor(np.array([[0, 1], [2, 3], [1, 0], [3, 2]], np.int32))
+    permute(x, idx)
+    ms.jit(permute)(x, idx)
+    assert modes == ["pynative", "graph"]
+
+
 @pytest.mark.parametrize("name,family", [
     ("ascend910b", A2), ("Ascend910B3", A2), ("ascend910_93", A3), ("Ascend910_9391", A3),
     ("ascend950", S950), ("Ascend950DT_9571", S950), ("Ascend910_9599", S950),
@@ -406,9 +430,9 @@ def test_dynamic_shapes_resolve_once_while_compiling(monkeypatch):
     monkeypatch.setenv(_platform.IMPL_ENV, "composition")
     seen = []
 
-    def spy(op, signature, **kwargs):
+    def spy(op, signature, *args, **kwargs):
         seen.append(tuple(None if s is None else s[1] for s in signature))
-        return _op._resolve_now(op, signature, **kwargs)
+        return _op._resolve_now(op, signature, *args, **kwargs)
 
     monkeypatch.setattr(_op, "_resolve", functools.partial(spy))
     ms.set_context(mode=ms.GRAPH_MODE)

@@ -229,7 +229,9 @@ class OpDef:
 
     def __call__(self, *inputs, **kwargs):
         """Applies the operator: inputs in declaration order (None for absent optional ones)."""
-        return _resolve(self, _signature(inputs), **kwargs)(inputs)
+        # compiling: in a GRAPH-mode Cell, and in a @ms.jit function called in PyNative mode
+        # (the context still says PyNative there)
+        return _resolve(self, _signature(inputs), _compat.compiling(), **kwargs)(inputs)
 
 
 def _check_binding(op, binding):
@@ -289,10 +291,10 @@ def _attribute_items(op, **kwargs):
     return tuple(op.resolve(**kwargs).items())  # raises the attribute's own TypeError
 
 
-def _resolve_now(op, signature, **kwargs):
+def _resolve_now(op, signature, compiling, **kwargs):
     items = _attribute_items(op, **kwargs)
     target = _platform.device_target()
-    platform = (target, _platform.soc_family(target), _platform.execution_mode(),
+    platform = (target, _platform.soc_family(target), _platform.execution_mode(compiling),
                 _platform.forced_impl())
     impl = choose(op, items, platform, signature)
     try:
@@ -305,7 +307,7 @@ def _resolve_now(op, signature, **kwargs):
         _BROKEN[impl] = f"building it failed ({type(error).__name__}: {error})"
         _log.warning("%s: %s passed over: %s", op.name, impl.name, _BROKEN[impl])
         choose.cache_clear()
-        return _resolve_now(op, signature, **kwargs)
+        return _resolve_now(op, signature, compiling, **kwargs)
     for log in _RECORDERS:
         log.append((op.name, name))
     return fn
