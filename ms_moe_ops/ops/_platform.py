@@ -28,6 +28,12 @@ def execution_mode(compiling=False):
     return GRAPH if compiling or context_param("mode") == GRAPH_MODE else PYNATIVE
 
 
+def jit_level():
+    """The context's jit_level ("O0", "O1", "O2"; '' when unset: MindSpore's default, kernel by
+    kernel on Atlas A2/A3/950). A level given to one `ms.jit(jit_level=...)` is not seen here."""
+    return context_param("jit_level") or ""
+
+
 def soc_family(target=None):
     """'A2', 'A3' or '950' on those Ascend SoCs, another SoC's name elsewhere on Ascend, '' off
     Ascend (target: the device target when the caller has it). MindSpore reads the short SoC
