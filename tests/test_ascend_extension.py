@@ -247,8 +247,13 @@ def test_selftest_prints_a_table_and_passes_on_this_device():
     from ms_moe_ops import selftest
 
     out = io.StringIO()
-    assert selftest.run(("float32",), ("pynative",), repeat=1, out=out) == 0
-    assert "| moe_gating_top_k | float32 | pynative |" in out.getvalue()
+    assert selftest.run(("float32",), ("pynative", "graph"), repeat=1, out=out) == 0, out.getvalue()
+    for mode in ("pynative", "graph"):  # every operator and Cell in both modes
+        for name in ("moe_gating_top_k", "moe_gating_top_k_backward", "swiglu_group_quant_grad",
+                     "moe_ffn", "MoeFFN (Cell)", "GatingTopK (Cell)"):
+            assert f"| {name} | float32 | {mode} | " in out.getvalue()
+    assert "FAILED" not in out.getvalue()
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE  # left as found
 
 
 # -- the ops.Custom route: MindSpore's own generator against the stub tree ------------------------
