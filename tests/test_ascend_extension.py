@@ -186,6 +186,26 @@ def test_generated_inference_declares_host_inputs_value_depend():
     assert "GetValueWithCheck<std::vector<int64_t>>()" in source
 
 
+def test_absent_optional_tensors_reach_aclnn_as_null_pointers():
+    """An absent tensor is passed as what MindSpore 2.10 converts to nullptr, never as an empty
+    tensor: PyNative, an empty std::optional<ms::Tensor> (aclnn_op_runner.h's Arg keeps it
+    std::nullopt, op_api_convert.h's ConvertType(std::optional<TensorPtr>) returns nullptr);
+    GRAPH, a null KernelTensor* or a None-typed one (ConvertType(const KernelTensor *) returns
+    nullptr for both); and the runner prepares only the present tensors (Present)."""
+    ffn = next((op, b, s) for op, b, s in ENTRIES if b.kernel == "aclnnFFNV3")
+    source = _extension.cpp_source((ffn,), "Ascend")
+    launch = next(line for line in source.splitlines() if "LAUNCH_ACLNN_FUNC(aclnnFFNV3" in line)
+    assert launch.count("std::optional<ms::Tensor>()") == 4  # the antiquant tensors
+    assert "const std::optional<ms::Tensor> &bias1" in source  # optional inputs: None -> nullopt
+    run_op = next(line for line in source.splitlines() if "RunOp(stream" in line)
+    assert run_op.count("static_cast<mindspore::kernel::KernelTensor *>(nullptr)") == 4
+    assert "moe_ext::Present(" in source
+    assert "ms::Tensor()" not in source  # no empty (undefined) tensor stands in for one
+    convert = open(os.path.join(MS_DIR, "include", "mindspore", "ops", "kernel", "ascend", "acl_ir",
+                                "op_api_convert.h")).read()
+    assert "tensor == nullptr || tensor->type_id() == kMetaTypeNone" in convert
+
+
 @pytest.mark.slow
 def test_the_ascend_extension_compiles_against_mindspore_and_the_stub_tree(tmp_path, monkeypatch):
     monkeypatch.setenv("ASCEND_OPP_PATH", os.path.join(STUB, "opp"))
