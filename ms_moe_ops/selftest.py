@@ -26,7 +26,9 @@ TOLERANCE = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 6e-2}
 
 
 def _cases(rng, dtype):
-    """(name, call on ms tensors, golden outputs) of each operator and Cell."""
+    """(name, function, its tensor inputs, golden output) of each operator and Cell. The functions
+    are named (a lambda defined among other expressions is refused by MindSpore's graph parser)
+    and take their tensors as arguments, so one function runs in both modes."""
     np_dt = np.float32 if dtype == "bfloat16" else np.dtype(dtype)
     t = lambda a, d=dtype: ms.Tensor(a.astype(np.float32 if d == "bfloat16" else d),  # noqa: E731
                                      dtype=getattr(ms, d))
@@ -46,21 +48,39 @@ def _cases(rng, dtype):
     ffn = ref.moe_ffn(x.astype(np.float64), counts, w1.astype(np.float64), w2.astype(np.float64))
     cell = MoeFFN(e, h, f, activation="fastgelu")
     gating = GatingTopK(h, n, k)
+
+    def gating_top_k(v):
+        return moe_gating_top_k(v, k, k_group=4, group_count=8)[0]
+
+    def gating_backward(v, g, i):
+        return moe_gating_top_k_backward(v, g, i)
+
+    def swiglu_grad(g, v):
+        return swiglu_group_quant_grad(g, v)[0]
+
+    def ffn_op(v, c, a, b):
+        return moe_ffn(v, c, a, b)
+
+    def ffn_cell(v, c):
+        return cell(v, c)
+
+    def gating_cell(v):
+        return gating(v)[0]
+
     return [
-        ("moe_gating_top_k", lambda: moe_gating_top_k(t(logits), k, k_group=4, group_count=8)[0],
-         y),
-        ("moe_gating_top_k_backward",
-         lambda: moe_gating_top_k_backward(t(norm, "float32"), t(grad_y, "float32"),
-                                           ms.Tensor(idx)), grad_x),
-        ("swiglu_group_quant_grad", lambda: swiglu_group_quant_grad(t(gy), t(x2))[0], gx),
-        ("moe_ffn", lambda: moe_ffn(t(x), ms.Tensor(counts), t(w1), t(w2)), ffn),
-        ("MoeFFN (Cell)", lambda: cell(t(x), ms.Tensor(counts)), None),
-        ("GatingTopK (Cell)", lambda: gating(t(x))[0], None),
+        ("moe_gating_top_k", gating_top_k, (t(logits),), y),
+        ("moe_gating_top_k_backward", gating_backward,
+         (t(norm, "float32"), t(grad_y, "float32"), ms.Tensor(idx)), grad_x),
+        ("swiglu_group_quant_grad", swiglu_grad, (t(gy), t(x2)), gx),
+        ("moe_ffn", ffn_op, (t(x), ms.Tensor(counts), t(w1), t(w2)), ffn),
+        ("MoeFFN (Cell)", ffn_cell, (t(x), ms.Tensor(counts)), None),
+        ("GatingTopK (Cell)", gating_cell, (t(x),), None),
     ]
 
 
 def run(dtypes=("float16",), modes=("pynative", "graph"), repeat=5, out=sys.stdout):
-    """Prints the table; returns the number of failures."""
+    """Prints the table; returns the number of failures. GRAPH mode compiles each function (the
+    Cells' construct included) with ms.jit under GRAPH_MODE."""
     target = _platform.device_target()
     soc = _platform.soc_family(target) or "-"
     out.write(f"ms_moe_ops self-test on {target} {soc}, MindSpore {ms.__version__}\n\n")
@@ -69,29 +89,38 @@ def run(dtypes=("float16",), modes=("pynative", "graph"), repeat=5, out=sys.stdo
     failures = 0
     for mode in modes:
         ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
-        for dtype in dtypes:
-            for name, call, golden in _cases(np.random.default_rng(0), dtype):
-                fn = ms.jit(call) if mode == "graph" else call
-                chosen, error, ms_per_call = "-", "-", "-"
-                try:
-                    with _op.record_choices() as log:
-                        got = fn()
-                    chosen = ", ".join(sorted({f"{o}: {i}" for o, i in log})) or "-"
-                    start = time.perf_counter()
-                    for _ in range(repeat):
-                        got = fn()
-                    got = got.asnumpy() if hasattr(got, "asnumpy") else got
-                    ms_per_call = f"{(time.perf_counter() - start) / repeat * 1e3:.2f}"
-                    if golden is not None:
-                        err = float(np.max(np.abs(got.astype(np.float64) - golden)))
-                        error = f"{err:.2e}"
-                        failures += err > TOLERANCE[dtype]
-                except Exception as exc:  # pylint: disable=broad-except
-                    failures += 1
-                    error = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                out.write(f"| {name} | {dtype} | {mode} | {chosen} | {error} | "
-                          f"{TOLERANCE[dtype]:g} | {ms_per_call} |\n")
+        try:
+            for dtype in dtypes:
+                for name, fn, inputs, golden in _cases(np.random.default_rng(0), dtype):
+                    failures += _row(out, name, dtype, mode, ms.jit(fn) if mode == "graph" else fn,
+                                     inputs, golden, repeat)
+        finally:
+            ms.set_context(mode=ms.PYNATIVE_MODE)
     return failures
+
+
+def _row(out, name, dtype, mode, fn, inputs, golden, repeat):
+    """Runs one case, writes its row; 1 when it failed, else 0."""
+    chosen, error, ms_per_call, failed = "-", "-", "-", 0
+    try:
+        with _op.record_choices() as log:
+            got = fn(*inputs)
+        chosen = ", ".join(sorted({f"{o}: {i}" for o, i in log})) or "-"
+        start = time.perf_counter()
+        for _ in range(repeat):
+            got = fn(*inputs)
+        got = got.asnumpy() if hasattr(got, "asnumpy") else got
+        ms_per_call = f"{(time.perf_counter() - start) / repeat * 1e3:.2f}"
+        if golden is not None:
+            err = float(np.max(np.abs(got.astype(np.float64) - golden)))
+            error = f"{err:.2e}"
+            failed = int(not err <= TOLERANCE[dtype])
+    except Exception as exc:  # pylint: disable=broad-except
+        failed = 1
+        error = f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    out.write(f"| {name} | {dtype} | {mode} | {chosen} | {error} | "
+              f"{TOLERANCE[dtype]:g} | {ms_per_call} |\n")
+    return failed
 
 
 def main(argv=None):

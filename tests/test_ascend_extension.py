@@ -35,7 +35,9 @@ MS_DIR = os.path.dirname(ms.__file__)
 def _compile_prototypes(tmp_path, first_include):
     source = tmp_path / "prototypes.cc"
     source.write_text(_extension.prototype_source(ENTRIES))
-    return subprocess.run(["g++", "-std=c++17", "-fsyntax-only", f"-I{first_include}",
+    return subprocess.run(["g++", "-std=c++17", "-fsyntax-only",
+                           f"-I{os.path.join(first_include, 'aclnnop')}",
+                           f"-I{os.path.join(STUB, 'include', 'aclnnop')}",
                            f"-I{os.path.join(STUB, 'include')}", f"-I{_extension.BINDING_DIR}",
                            str(source)], capture_output=True, text=True, timeout=120)
 
@@ -69,6 +71,79 @@ def test_header_check_reads_the_toolkit_include_folder(tmp_path):
     why = _cann.header_mismatch(swiglu.kernel, "aclnn_swiglu_group_quant_grad.h",
                                 _impls.prototype_types(swiglu), {"ASCEND_HOME_PATH": str(tmp_path)})
     assert "aclIntArray*" in why and "aclTensor*" in why
+
+
+def _stub_cann(monkeypatch, root):
+    for name in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "ASCEND_CUSTOM_OPP_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ASCEND_OPP_PATH", os.path.join(str(root), "opp"))
+
+
+def test_the_cache_key_follows_the_installed_cann_headers(tmp_path, monkeypatch):
+    root = tmp_path / "cann"
+    (root / "opp").mkdir(parents=True)
+    (root / "include").symlink_to(os.path.join(STUB, "include"))
+    _stub_cann(monkeypatch, root)
+    before = _extension.module_name(ENTRIES, "Ascend")
+    assert _extension.module_name(ENTRIES, "Ascend") == before  # deterministic
+    (root / "include").unlink()
+    (root / "include").mkdir()
+    os.symlink(os.path.join(STUB, "include", "aclnn"), root / "include" / "aclnn")
+    os.symlink(os.path.join(EARLY_950, "aclnnop"), root / "include" / "aclnnop")  # another release
+    assert _extension.module_name(ENTRIES, "Ascend") != before
+    (root / "version.cfg").write_text("version=9.1.0\n")
+    assert _extension.module_name(ENTRIES, "CPU") == _extension.module_name(ENTRIES, "CPU")
+
+
+def test_the_extension_includes_custom_installed_kernel_headers_first(tmp_path, monkeypatch):
+    root = tmp_path / "cann"
+    vendor = root / "opp" / "vendors" / "custom_moe" / "op_api" / "include"
+    vendor.mkdir(parents=True)
+    (root / "opp" / "vendors" / "config.ini").write_text("load_priority=custom_moe\n")
+    (root / "include").symlink_to(os.path.join(STUB, "include"))
+    _stub_cann(monkeypatch, root)
+    folders = _extension.include_folders("Ascend")
+    assert folders[:3] == [_extension.BINDING_DIR, str(vendor), str(root / "include" / "aclnnop")]
+    source = _extension.cpp_source(ENTRIES, "Ascend")
+    assert '#include "aclnn_moe_ffn.h"' in source and "aclnnop/" not in source
+
+
+def test_processes_building_one_extension_take_turns(tmp_path, monkeypatch):
+    """The lock is held from writing the sources to loading the module, and excludes another
+    process (flock from a second open file description, as another process would have)."""
+    import fcntl
+
+    monkeypatch.setenv(_extension.CACHE_ENV, str(tmp_path))
+    entries = ENTRIES[:1]
+    folder = tmp_path / _extension.module_name(entries, "Ascend")
+    (folder / "build").mkdir(parents=True)
+    (folder / "build" / "build.lock").write_text("")  # left by a killed build
+    seen = []
+
+    class Fake:
+        def load(self):
+            with open(folder / "ms_moe_ops.lock") as other:
+                try:
+                    fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    seen.append("free")
+                except BlockingIOError:
+                    seen.append("held")
+            seen.append(os.path.exists(folder / "build" / "build.lock"))
+            return "module"
+
+    def fake_builder(entries_, backend, directory=None, include_paths=()):
+        _extension.write_sources(entries_, backend, directory)
+        return Fake()
+
+    monkeypatch.setattr(_extension, "builder", fake_builder)
+    _extension.load.cache_clear()
+    try:
+        assert _extension.load(entries, "Ascend") == "module"
+    finally:
+        _extension.load.cache_clear()
+    assert seen == ["held", False]
+    with open(folder / "ms_moe_ops.lock") as other:  # released afterwards
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_soc_op_info_decides_whether_the_soc_has_the_kernel(tmp_path):
@@ -109,6 +184,26 @@ def test_generated_inference_declares_host_inputs_value_depend():
     assert f"moe_ext::SpecFuncImpl<0, {names.index('expert_tokens')}>" in source
     assert "moe_ext::HostValues(expert_tokens)" in source
     assert "GetValueWithCheck<std::vector<int64_t>>()" in source
+
+
+def test_absent_optional_tensors_reach_aclnn_as_null_pointers():
+    """An absent tensor is passed as what MindSpore 2.10 converts to nullptr, never as an empty
+    tensor: PyNative, an empty std::optional<ms::Tensor> (aclnn_op_runner.h's Arg keeps it
+    std::nullopt, op_api_convert.h's ConvertType(std::optional<TensorPtr>) returns nullptr);
+    GRAPH, a null KernelTensor* or a None-typed one (ConvertType(const KernelTensor *) returns
+    nullptr for both); and the runner prepares only the present tensors (Present)."""
+    ffn = next((op, b, s) for op, b, s in ENTRIES if b.kernel == "aclnnFFNV3")
+    source = _extension.cpp_source((ffn,), "Ascend")
+    launch = next(line for line in source.splitlines() if "LAUNCH_ACLNN_FUNC(aclnnFFNV3" in line)
+    assert launch.count("std::optional<ms::Tensor>()") == 4  # the antiquant tensors
+    assert "const std::optional<ms::Tensor> &bias1" in source  # optional inputs: None -> nullopt
+    run_op = next(line for line in source.splitlines() if "RunOp(stream" in line)
+    assert run_op.count("static_cast<mindspore::kernel::KernelTensor *>(nullptr)") == 4
+    assert "moe_ext::Present(" in source
+    assert "ms::Tensor()" not in source  # no empty (undefined) tensor stands in for one
+    convert = open(os.path.join(MS_DIR, "include", "mindspore", "ops", "kernel", "ascend", "acl_ir",
+                                "op_api_convert.h")).read()
+    assert "tensor == nullptr || tensor->type_id() == kMetaTypeNone" in convert
 
 
 @pytest.mark.slow
@@ -172,8 +267,13 @@ def test_selftest_prints_a_table_and_passes_on_this_device():
     from ms_moe_ops import selftest
 
     out = io.StringIO()
-    assert selftest.run(("float32",), ("pynative",), repeat=1, out=out) == 0
-    assert "| moe_gating_top_k | float32 | pynative |" in out.getvalue()
+    assert selftest.run(("float32",), ("pynative", "graph"), repeat=1, out=out) == 0, out.getvalue()
+    for mode in ("pynative", "graph"):  # every operator and Cell in both modes
+        for name in ("moe_gating_top_k", "moe_gating_top_k_backward", "swiglu_group_quant_grad",
+                     "moe_ffn", "MoeFFN (Cell)", "GatingTopK (Cell)"):
+            assert f"| {name} | float32 | {mode} | " in out.getvalue()
+    assert "FAILED" not in out.getvalue()
+    assert ms.get_context("mode") == ms.PYNATIVE_MODE  # left as found
 
 
 # -- the ops.Custom route: MindSpore's own generator against the stub tree ------------------------

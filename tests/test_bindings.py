@@ -174,10 +174,31 @@ def test_clamp_off_reaches_the_aclnn_kernel_as_the_largest_float(monkeypatch, cl
     attrs = op.resolve(clamp_limit=clamp)
     assert attrs["clamp_limit"] == clamp
     call = op.impl("aclnn").build(op, attrs)
-    assert call(("gy", "x", None, None, None)) == ("gy", "x", None, None, None, sent)
+    assert call(("gy", "x", "w", "yo", None)) == ("gy", "x", "w", "yo", None, sent)
     info = _Recorder.made[-1].reg_info
     assert [(a["name"], a["type"]) for a in info["attr"]] == [("clamp_limit", "double")]
     assert all("value" not in a for a in info["attr"])  # values travel as call inputs
+
+
+class _SwigluGradKernel(_Recorder):
+    """aclnnSwigluGroupQuantGrad's stand-in: grad_x, and a grad_weight buffer it did not write."""
+
+    def __call__(self, *args):
+        x = args[1]
+        return ops.zeros_like(x), ops.full((x.shape[0], 1), 7.0, dtype=ms.float32)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_grad_weight_without_weight_is_zeros_not_the_unwritten_buffer(monkeypatch, weighted):
+    monkeypatch.setattr(_impls.ops, "Custom", _SwigluGradKernel)
+    monkeypatch.setattr(_Recorder, "made", [])
+    op = SWIGLU_GROUP_QUANT_GRAD
+    rng = np.random.default_rng(0)
+    gy, x = (Tensor(rng.normal(size=s).astype(np.float32)) for s in ((3, 4), (3, 8)))
+    w = Tensor(np.ones((3, 1), np.float32)) if weighted else None
+    _, grad_w = op.impl("aclnn").build(op, op.resolve())((gy, x, w, gy if weighted else None, None))
+    assert grad_w.shape == (3, 1) and grad_w.dtype == ms.float32
+    assert grad_w.asnumpy().tolist() == ([[7.0]] * 3 if weighted else [[0.0]] * 3)
 
 
 class _RouterKernel(_Recorder):

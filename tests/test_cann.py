@@ -128,6 +128,80 @@ def test_prototype_types_of_a_header():
     assert _cann.op_type("aclnnFFNV3") == "FFN" and _cann.op_type("aclnnMoeFFN") == "MoeFFN"
 
 
+# a generated header's variations: export macro, comments (with commas and parentheses) between
+# and inside the parameters, const after the type and after the *, a default argument, a macro
+# definition that mentions the name, line breaks anywhere
+_MESSY = """
+#define ACLNN_API __attribute__((visibility("default")))
+/* aclnnMoeGatingTopKBackwardGetWorkspaceSize(int x); an older form, commented out */
+ACLNN_API aclnnStatus
+aclnnMoeGatingTopKBackwardGetWorkspaceSize(  // (first stage)
+    aclTensor const *xNorm,   /* [T, E], float32 (or bf16, fp16) */
+    const aclTensor* const gradY,
+    const struct aclTensor *expertIdx,
+    int64_t renorm,           // 0: renorm before (default), 1: after
+    int64_t normType = 0,
+    double routedScalingFactor,
+    const double eps,
+    aclTensor *out,
+    uint64_t* workspaceSize,
+    aclOpExecutor ** executor);
+"""
+
+
+def test_prototype_types_of_a_messy_header():
+    assert _cann.prototype_types(_MESSY, "aclnnMoeGatingTopKBackward") == \
+        _cann.prototype_types(_SEED_BACKWARD, "aclnnMoeGatingTopKBackward")
+
+
+def test_every_bound_kernel_has_its_operator_type():
+    from ms_moe_ops.ops import OPERATORS, _extension
+
+    kernels = {b.kernel for _, b, _ in _extension.every_binding(OPERATORS)}
+    types = {k: _cann.op_types(k) for k in kernels}
+    assert types == {"aclnnFFNV3": ("FFN",), "aclnnMoeFFN": ("MoeFFN", "FFN"),
+                     "aclnnMoeGatingTopK": ("MoeGatingTopK",),
+                     "aclnnMoeGatingTopKBackward": ("MoeGatingTopKBackward",),
+                     "aclnnSwigluGroupQuantGrad": ("SwigluGroupQuantGrad",)}
+
+
+def _op_info(folder, soc, types):
+    config = folder / "op_impl" / "ai_core" / "tbe" / "config" / soc
+    config.mkdir(parents=True)
+    (config / f"aic-{soc}-ops-info.json").write_text("{" + ", ".join(f'"{t}": {{}}' for t in types) + "}")
+
+
+@pytest.mark.parametrize("soc", ["ascend950", "Ascend950PR_9599", "ascend910_95"])
+def test_op_info_of_vendors_and_soc_aliases(tmp_path, soc):
+    root = tmp_path / "cann"
+    _op_info(root / "opp" / "built-in", "ascend950", ["MoeGatingTopK"])
+    vendors = root / "opp" / "vendors"
+    _op_info(vendors / "custom_moe", "ascend950", ["SwigluGroupQuantGrad"])
+    (vendors / "config.ini").write_text("load_priority=custom_moe\n")
+    env = {"ASCEND_HOME_PATH": str(root)}
+    assert _cann.soc_mismatch("aclnnMoeGatingTopK", soc, env) == ""
+    assert _cann.soc_mismatch("aclnnSwigluGroupQuantGrad", soc, env) == ""  # the vendor's
+    assert "does not list MoeGatingTopKBackward" in _cann.soc_mismatch(
+        "aclnnMoeGatingTopKBackward", soc, env)
+    assert _cann.soc_mismatch("aclnnMoeGatingTopKBackward", "Ascend910B3", env) == ""  # no file
+    _op_info(root / "opp" / "built-in", "ascend910b", ["FFN"])
+    assert _cann.soc_mismatch("aclnnMoeFFN", "Ascend910B3", env) == ""
+
+
+def test_headers_of_custom_installed_kernels(tmp_path):
+    root = tmp_path / "cann"
+    vendor = root / "opp" / "vendors" / "custom_moe" / "op_api" / "include"
+    vendor.mkdir(parents=True)
+    (root / "opp" / "vendors" / "config.ini").write_text("load_priority=custom_moe\n")
+    (root / "include" / "aclnnop").mkdir(parents=True)
+    for folder in (vendor, root / "include" / "aclnnop"):
+        (folder / "aclnn_moe_ffn.h").write_text("")
+    env = {"ASCEND_HOME_PATH": str(root)}
+    assert _cann.header_folders(env) == [str(vendor), str(root / "include" / "aclnnop")]
+    assert _cann.header_paths("aclnnMoeFFN", "aclnn_moe_ffn.h", env)[0] == \
+        str(vendor / "aclnn_moe_ffn.h")
+
+
 @needs_cc
 @pytest.mark.parametrize("release,expected", [("include", ""), ("variants/early950", "declares")])
 def test_a_kernel_whose_installed_header_disagrees_is_unavailable(tmp_path, monkeypatch, release,

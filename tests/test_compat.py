@@ -47,6 +47,31 @@ def test_a_partial_runs_in_python_while_the_graph_is_built():
                              f"compiles a graph (calls: {calls}): the resolver depends on it")
 
 
+def test_compiling_tells_compiled_code_from_python():
+    seen = []
+    record = _compat.run_at_compile_time(lambda flag: seen.append(flag) or 0)
+
+    def f(x):
+        record(_compat.compiling())
+        return x + 1
+
+    class Net(nn.Cell):
+        def construct(self, x):
+            return f(x)
+
+    x = Tensor(np.array([1.0], np.float32))
+    f(x)
+    ms.jit(f)(x)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        Net()(x)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert seen == [False, True, True], (
+        f"_compat.compiling() no longer tells a compiled call from a Python one ({seen}): "
+        f"MindSpore may have changed how a constexpr receives a function (its _run_in_jit)")
+
+
 def test_is_constant_tells_static_from_dynamic_dimensions():
     # evaluated by the graph compiler (as the resolver's call signature is), not in Python
     seen = []

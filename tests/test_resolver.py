@@ -369,6 +369,30 @@ def test_platform_is_read_from_mindspore():
         ms.set_context(mode=ms.PYNATIVE_MODE)
 
 
+def test_a_jit_function_in_pynative_mode_resolves_as_graph(monkeypatch):
+    """A @ms.jit function is compiled into a graph although the context says PyNative: the
+    PyNative-only routes (the C++ extension's runner) must not be chosen there."""
+    monkeypatch.setenv(_platform.IMPL_ENV, "composition")
+    modes = []
+    real = _op.choose
+
+    def spy(op, attr_items, platform, signature, *rest):
+        modes.append(platform[2])
+        return real(op, attr_items, platform, signature, *rest)
+
+    spy.cache_clear = real.cache_clear
+    monkeypatch.setattr(_op, "choose", spy)
+
+    def permute(a, b):
+        return PERMUTE(a, b, num_experts=4)[0]
+
+    x = Tensor(np.ones((4, 3), np.float32))
+    idx = Tensor(np.array([[0, 1], [2, 3], [1, 0], [3, 2]], np.int32))
+    permute(x, idx)
+    ms.jit(permute)(x, idx)
+    assert modes == ["pynative", "graph"]
+
+
 @pytest.mark.parametrize("name,family", [
     ("ascend910b", A2), ("Ascend910B3", A2), ("ascend910_93", A3), ("Ascend910_9391", A3),
     ("ascend950", S950), ("Ascend950DT_9571", S950), ("Ascend910_9599", S950),
@@ -406,9 +430,9 @@ def test_dynamic_shapes_resolve_once_while_compiling(monkeypatch):
     monkeypatch.setenv(_platform.IMPL_ENV, "composition")
     seen = []
 
-    def spy(op, signature, **kwargs):
+    def spy(op, signature, *args, **kwargs):
         seen.append(tuple(None if s is None else s[1] for s in signature))
-        return _op._resolve_now(op, signature, **kwargs)
+        return _op._resolve_now(op, signature, *args, **kwargs)
 
     monkeypatch.setattr(_op, "_resolve", functools.partial(spy))
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -464,3 +488,29 @@ def test_every_choice_is_a_candidate_of_the_table(op, platform, signature, attrs
 
     names = [impl.name for impl in candidates(op, *platform[:3])]
     assert expected in names, (op.name, platform, names)
+
+
+def test_host_counts_kernel_is_not_chosen_for_a_graph_sunk_whole(monkeypatch):
+    """aclnnMoeFFN reads the expert counts on the host each step (value-depend, kernel by kernel):
+    under jit_level O2 the whole graph is sunk to the device and no host step runs between
+    kernels, so the resolver passes it over there, saying why."""
+    with_cann(monkeypatch, missing=("aclnnFFNV3",))
+    attrs = tuple(MOE_FFN.resolve().items())
+    chosen = _op.choose(MOE_FFN, attrs, A2_GRAPH, ffn_sig("float16"), "O1")
+    assert (chosen.about, chosen.route) == ("aclnnMoeFFN", "extension")
+    assert _op.choose(MOE_FFN, attrs, A2_GRAPH, ffn_sig("float16"), "").about == "aclnnMoeFFN"
+    assert _op.choose(MOE_FFN, attrs, A2_GRAPH, ffn_sig("float16"), "O2").name == "builtin"
+    ext = next(i for i in MOE_FFN.impls if i.about == "aclnnMoeFFN")
+    assert "jit_level O2" in ext.unavailable("Ascend", A2, "graph", "O2")
+    # PyNative mode has no sunk graph: the runner copies the counts to the host
+    assert _op.choose(MOE_FFN, attrs, A2_PYNATIVE, ffn_sig("float16"), "").about == "aclnnMoeFFN"
+
+
+def test_jit_level_is_read_from_the_context():
+    assert _platform.jit_level() in ("", "O0", "O1", "O2")
+    before = ms.get_context("jit_config")
+    ms.set_context(jit_config={"jit_level": "O2"})
+    try:
+        assert _platform.jit_level() == "O2"
+    finally:
+        ms.set_context(jit_config={"jit_level": before.get("jit_level") or "O0"})

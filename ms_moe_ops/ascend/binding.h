@@ -75,6 +75,9 @@ inline std::vector<ms::Tensor> Present(const std::vector<std::optional<ms::Tenso
 
 // A small count tensor's values on the host (aclnnMoeFFN's expertTokens, PyNative mode).
 inline std::vector<int64_t> HostValues(const ms::Tensor &t) {
+  if (t.data_type() != TypeId::kNumberTypeInt64) {
+    MS_LOG(EXCEPTION) << "ms_moe_ops: a host int array is read from an int64 tensor only";
+  }
   auto host = t.tensor()->cpu();
   auto data = static_cast<const int64_t *>(host->data_c());
   return std::vector<int64_t>(data, data + host->DataSize());

@@ -20,7 +20,8 @@ Two more checks, because a symbol is not enough (`kernel_missing`):
   between releases (aclnnSwigluGroupQuantGrad's groupIndexOptional was an aclIntArray in early
   Ascend 950 releases, an aclTensor later). The binding's C types must be the header's.
 - the SoC: the op-info files of the installed CANN
-  (`opp/built-in/op_impl/ai_core/tbe/config/<soc>/aic-<soc>-ops-info.json`, keyed by operator type)
+  (`opp/built-in/op_impl/ai_core/tbe/config/<soc>/aic-<soc>-ops-info.json`, and the same under
+  each vendor's `opp/vendors/<vendor>/op_impl`, keyed by operator type)
   say which SoC a kernel is built for; a symbol exported for every SoC can still lack the kernel
   of this one (one revision of aclnnMoeGatingTopKBackward's document lists Ascend 950 as
   unsupported).
@@ -165,9 +166,11 @@ def kernel_missing(kernel):
     return missing_kernel(kernel)
 
 
-def header_paths(kernel, header, environ=None):
-    """Where the installed CANN keeps the header of `kernel`, in MindSpore's search order
-    (custom op-api directories, vendors by load priority, the toolkit's include/aclnnop)."""
+def header_folders(environ=None):
+    """The folders that hold aclnn headers, in MindSpore's search order: each custom op-api
+    directory (`$ASCEND_CUSTOM_OPP_PATH/*/op_api/include`), each vendor's by load priority
+    (`opp/vendors/<vendor>/op_api/include`: kernels installed as custom packages), then the
+    toolkit's `include/aclnnop`; only those that exist."""
     environ = os.environ if environ is None else environ
     folders = [os.path.join(e, "op_api", "include")
                for e in filter(None, environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(os.pathsep))]
@@ -176,22 +179,34 @@ def header_paths(kernel, header, environ=None):
         folders += [os.path.join(vendors, v, "op_api", "include")
                     for v in _vendor_priority(os.path.join(vendors, "config.ini"))]
         folders.append(os.path.join(root, "include", "aclnnop"))
-    return [os.path.join(f, header) for f in folders if os.path.isfile(os.path.join(f, header))]
+    return [f for f in dict.fromkeys(folders) if os.path.isdir(f)]
+
+
+def header_paths(kernel, header, environ=None):
+    """Where the installed CANN keeps the header of `kernel`, in MindSpore's search order."""
+    return [os.path.join(f, header) for f in header_folders(environ)
+            if os.path.isfile(os.path.join(f, header))]
 
 
 def prototype_types(text, kernel):
-    """The parameter types of `aclnnStatus <kernel>GetWorkspaceSize(...)` in a header's text,
-    const and spaces removed ('aclTensor*', 'int64_t', ...), or None when it is not declared."""
-    match = re.search(r"\baclnnStatus\s+" + re.escape(kernel) + r"GetWorkspaceSize\s*\((.*?)\)\s*;",
-                      text, re.S)
+    """The parameter types of `<kernel>GetWorkspaceSize(...)` in a header's text, const, struct
+    and spaces removed ('aclTensor*', 'int64_t', ...), or None when it is not declared. Comments,
+    line breaks, `const` on either side of the `*`, default arguments and export macros
+    (ACLNN_API, __attribute__((...))) do not matter."""
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    text = re.sub(r"^\s*#[^\n]*", " ", text, flags=re.M)  # preprocessor lines (macro definitions)
+    match = re.search(r"\baclnnStatus\b[^;{}()]*?\b" + re.escape(kernel) +
+                      r"GetWorkspaceSize\s*\(([^()]*)\)", text)
     if match is None:
         return None
     types = []
     for param in match.group(1).split(","):
-        param = re.sub(r"\bconst\b", " ", param).strip()
-        found = re.match(r"([A-Za-z_]\w*)\s*(\**)", param)
-        types.append(found.group(1) + found.group(2) if found else param)
-    return types
+        param = param.split("=")[0]  # a default argument
+        param = re.sub(r"\b(const|struct|volatile|ACLNN_API)\b", " ", param).strip()
+        found = re.match(r"([A-Za-z_]\w*)\s*((?:\*\s*)*)", param)
+        types.append(found.group(1) + found.group(2).replace(" ", "") if found else param)
+    return [] if types == ["void"] or types == [""] else types
 
 
 def header_mismatch(kernel, header, types, environ=None):
@@ -213,25 +228,68 @@ def header_mismatch(kernel, header, types, environ=None):
     return ""
 
 
+# The operator type of each bound aclnn API when it is not the API's name (the op-info files and
+# the kernel packages are keyed by it): aclnnFFN, FFNV2 and FFNV3 are interfaces of the FFN
+# operator; aclnnMoeFFN is the older interface whose computation FFN now provides (CANN
+# ops-transformer ffn/ffn/README.md), listed under either name.
+_OP_TYPES = {"aclnnMoeFFN": ("MoeFFN", "FFN")}
+
+
+def op_types(kernel):
+    """The operator types an aclnn API may be listed under in the op-info files:
+    aclnnMoeGatingTopK -> (MoeGatingTopK,), aclnnFFNV3 -> (FFN,)."""
+    if kernel in _OP_TYPES:
+        return _OP_TYPES[kernel]
+    return (re.sub(r"V\d+$", "", kernel[len("aclnn"):] if kernel.startswith("aclnn") else kernel),)
+
+
 def op_type(kernel):
-    """The operator type of an aclnn API: aclnnMoeGatingTopK -> MoeGatingTopK, aclnnFFNV3 -> FFN."""
-    return re.sub(r"V\d+$", "", kernel[len("aclnn"):] if kernel.startswith("aclnn") else kernel)
+    """The operator type of an aclnn API (the first of op_types)."""
+    return op_types(kernel)[0]
+
+
+def soc_folders(soc_version):
+    """The op-info folder names of a SoC, from MindSpore's short name (ascend950, ascend910b,
+    ascend910_93) or CANN's full name (Ascend950PR_9599, Ascend910B3, Ascend910_9391): CANN
+    keys its op-info by the short name; Ascend 950 appeared as ascend910_95 in early packages."""
+    name = soc_version.lower()
+    if name.startswith(("ascend950", "ascend910_95")):
+        return ("ascend950", "ascend910_95")
+    if name.startswith("ascend910_93"):
+        return ("ascend910_93",)
+    if name.startswith("ascend910b"):
+        return ("ascend910b",)
+    return (name,)
+
+
+def op_info_roots(environ=None):
+    """The op_impl folders whose op-info files list kernels: every custom opp path, every vendor
+    (custom kernel packages), the built-in one."""
+    environ = os.environ if environ is None else environ
+    found = [os.path.join(e, "op_impl")
+             for e in filter(None, environ.get("ASCEND_CUSTOM_OPP_PATH", "").split(os.pathsep))]
+    for root in roots(environ):
+        vendors = os.path.join(root, "opp", "vendors")
+        found += [os.path.join(vendors, v, "op_impl")
+                  for v in _vendor_priority(os.path.join(vendors, "config.ini"))]
+        found.append(os.path.join(root, "opp", "built-in", "op_impl"))
+    return list(dict.fromkeys(found))
 
 
 def soc_op_info(soc_version, environ=None):
-    """{operator type} the installed CANN's op-info files list for a SoC (the short name MindSpore
-    reads, e.g. ascend950), or None when the installation has none for it (nothing to go by)."""
+    """{operator type} the installed CANN's op-info files (built-in and vendors') list for a SoC,
+    or None when the installation has none for it (nothing to go by)."""
     found, any_file = set(), False
-    for root in roots(environ):
-        pattern = os.path.join(root, "opp", "built-in", "op_impl", "ai_core", "tbe", "**",
-                               soc_version.lower(), "*ops-info*.json")
-        for path in glob.glob(pattern, recursive=True):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    found |= set(json.load(f))
-                any_file = True
-            except (OSError, ValueError):
-                continue
+    for folder in op_info_roots(environ):
+        for soc in soc_folders(soc_version):
+            pattern = os.path.join(folder, "ai_core", "tbe", "**", soc, "*ops-info*.json")
+            for path in glob.glob(pattern, recursive=True):
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        found |= set(json.load(f))
+                    any_file = True
+                except (OSError, ValueError):
+                    continue
     return found if any_file else None
 
 
@@ -241,7 +299,7 @@ def soc_mismatch(kernel, soc_version, environ=None):
     if not soc_version:
         return ""
     listed = soc_op_info(soc_version, environ)
-    if listed is None or op_type(kernel) in listed:
+    if listed is None or set(op_types(kernel)) & listed:
         return ""
     return (f"the installed CANN's op-info for {soc_version} does not list {op_type(kernel)} "
             f"(the kernel is not built for this SoC)")

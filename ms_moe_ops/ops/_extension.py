@@ -18,14 +18,21 @@ OpDef and AclnnBinding alone (nothing per operator is written by hand):
   installed aclnn header (`MOE_CHECK_PROTOTYPE`: a header that disagrees fails the build, and the
   resolver then passes the implementation over, saying why).
 
-Built on first use (CustomOpBuilder + ninja, about a minute) into a cache directory keyed by the
-generated text, MindSpore's version and the backend, and reused from then on.
+Built on first use (CustomOpBuilder + ninja, about a minute) into a cache directory keyed by a
+digest of the generated text (C++ and YAML), the shared headers, MindSpore's version, the backend
+and, for Ascend, the installed CANN (its version files and the aclnn headers compiled against),
+and reused from then on. Processes that build the same extension at once (msrun's workers) take
+turns under an exclusive file lock held from writing the sources to loading the module:
+MindSpore's own builder regenerates the op definitions (deleting the previous ones) outside its
+lock, and its lock file outlives a killed build.
 """
+import contextlib
 import functools
 import hashlib
 import os
 
 from .._compat import run_at_compile_time
+from . import _cann
 from ._checks import dtype_name
 from ._library import kernel_library
 from ._op import ABSENT, HOST, AclnnBinding
@@ -139,7 +146,8 @@ def cpp_source(entries, backend):
             '#include "binding.h"']
     if ascend:
         text += ['#include "kernel/ascend/aclnn/kernel_mod_impl/aclnn_kernel_mod.h"']
-        text += [f'#include "aclnnop/{header_name(b.kernel)}"' for _, b, _ in entries]
+        # by bare name: found in the first of header_folders() (custom-installed kernels first)
+        text += [f'#include "{header_name(b.kernel)}"' for _, b, _ in entries]
     defs = []
     for op, binding, symbol in entries:
         name = op_name(binding)
@@ -219,7 +227,7 @@ def prototype_check(binding, n_out):
 def prototype_source(entries):
     """A translation unit that checks every binding against its header and nothing else."""
     lines = ['#include "prototype.h"']
-    lines += [f'#include "aclnnop/{header_name(b.kernel)}"' for _, b, _ in entries]
+    lines += [f'#include "{header_name(b.kernel)}"' for _, b, _ in entries]
     lines += [prototype_check(b, len(op.outputs)) for op, b, _ in entries]
     return "\n".join(lines) + "\n"
 
@@ -241,30 +249,93 @@ def cache_root():
         os.path.expanduser("~"), ".cache", "ms_moe_ops", "extensions")
 
 
-def write_sources(entries, backend, directory):
-    """Writes the YAML files and the C++ source; returns (module name, source, yaml paths)."""
+def cann_fingerprint(entries):
+    """What of the installed CANN an Ascend build depends on: its version files and the aclnn
+    headers of `entries` it would compile against (a CANN upgrade rebuilds)."""
+    parts = []
+    for root in _cann.roots():
+        for name in ("version.cfg", "version.info", os.path.join("opp", "version.info"),
+                     os.path.join("compiler", "version.info")):
+            parts.append(_read(os.path.join(root, name)))
+    for _, binding, _ in entries:
+        paths = _cann.header_paths(binding.kernel, header_name(binding.kernel))
+        parts.append(_read(paths[0]) if paths else "")
+    return "\0".join(parts)
+
+
+def _read(path):
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f"{path}\n{f.read()}"
+    except OSError:
+        return ""
+
+
+def _write(path, text):
+    """Writes text unless the file already holds it (a built extension's sources keep their
+    time stamps), through a temporary file (no reader sees half a file)."""
+    if _read(path) == f"{path}\n{text}":
+        return
+    partial = f"{path}.{os.getpid()}.tmp"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
+def module_name(entries, backend):
+    """The extension's module name: a digest of everything its build depends on."""
     import mindspore  # pylint: disable=import-outside-toplevel
 
-    source = cpp_source(entries, backend)
-    yamls = {op_name(b): op_yaml(op, b) for op, b, _ in entries}
-    shared = ""
-    for header in ("binding.h", "prototype.h"):
-        with open(os.path.join(BINDING_DIR, header)) as f:
-            shared += f.read()
-    digest = hashlib.sha256("\0".join([mindspore.__version__, backend, source, shared] +
-                                      sorted(yamls.values())).encode()).hexdigest()[:16]
-    module = f"ms_moe_ops_{backend.lower()}_{digest}"
+    shared = "".join(_read(os.path.join(BINDING_DIR, h)) for h in ("binding.h", "prototype.h"))
+    cann = cann_fingerprint(entries) if backend == "Ascend" else ""
+    digest = hashlib.sha256("\0".join(
+        [mindspore.__version__, backend, cpp_source(entries, backend), shared, cann] +
+        sorted(op_yaml(op, b) for op, b, _ in entries)).encode()).hexdigest()[:16]
+    return f"ms_moe_ops_{backend.lower()}_{digest}"
+
+
+@contextlib.contextmanager
+def build_lock(folder):
+    """An exclusive lock on an extension's folder, between processes (released when its holder
+    exits, however it exits)."""
+    import fcntl  # pylint: disable=import-outside-toplevel  # Linux only, as MindSpore's Custom ops
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "ms_moe_ops.lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            # under this lock no other process builds here: a MindSpore lock file left over is
+            # from a build that was killed, and would make MindSpore wait for ever
+            stale = os.path.join(folder, "build", "build.lock")
+            if os.path.exists(stale):
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def write_sources(entries, backend, directory):
+    """Writes the YAML files and the C++ source; returns (module name, source, yaml paths)."""
+    module = module_name(entries, backend)
     folder = os.path.join(directory, module)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "binding.cc")
-    with open(path, "w") as f:
-        f.write(source)
+    _write(path, cpp_source(entries, backend))
     paths = []
-    for name, text in yamls.items():
-        paths.append(os.path.join(folder, f"{name}_op.yaml"))
-        with open(paths[-1], "w") as f:
-            f.write(text)
+    for op, binding, _ in entries:
+        paths.append(os.path.join(folder, f"{op_name(binding)}_op.yaml"))
+        _write(paths[-1], op_yaml(op, binding))
     return module, path, paths
+
+
+def include_folders(backend):
+    """Include folders of a build besides MindSpore's own: this package's shared headers, and
+    for Ascend every folder of aclnn headers, custom-installed kernels' (opp/vendors/*/op_api/
+    include, $ASCEND_CUSTOM_OPP_PATH) before the toolkit's include/aclnnop."""
+    folders = [BINDING_DIR]
+    if backend == "Ascend":
+        folders += _cann.header_folders()
+    return folders
 
 
 def builder(entries, backend, directory=None, include_paths=()):
@@ -274,14 +345,16 @@ def builder(entries, backend, directory=None, include_paths=()):
     directory = directory or cache_root()
     module, source, yamls = write_sources(entries, backend, directory)
     return CustomOpBuilder(module, [source], backend=backend,
-                           include_paths=[BINDING_DIR] + list(include_paths),
+                           include_paths=include_folders(backend) + list(include_paths),
                            build_dir=os.path.join(directory, module, "build"), op_def=yamls)
 
 
 @functools.lru_cache(maxsize=None)
 def load(entries, backend):
     """The loaded extension of `entries` (built on first use, then from the cache)."""
-    mod = builder(entries, backend).load()
+    directory = cache_root()
+    with build_lock(os.path.join(directory, module_name(entries, backend))):
+        mod = builder(entries, backend, directory).load()
     if backend == "CPU":
         mod.so_module.set_kernel_library(kernel_library())
     return mod

@@ -109,7 +109,7 @@ def aclnn(name, args, socs, dtypes, supports=None, scalars=None, around=None, fi
     ext = Impl(ACLNN, build_extension, target="Ascend", socs=tuple(socs),
                modes=(_platform.GRAPH, _platform.PYNATIVE) if host else (_platform.PYNATIVE,),
                supports=fits(True), binding=binding, available=lambda: available() or extension_missing(),
-               about=name, route="extension")
+               about=name, route="extension", host_values=host)
     if host:
         return (ext,)
     custom = Impl(ACLNN, build_custom, target="Ascend", socs=tuple(socs), modes=(_platform.GRAPH,),

@@ -138,6 +138,8 @@ class Impl:
     `python -m ms_moe_ops.info` show it). symbol: the CPU kernel's symbol (kernel only).
     route: "extension" for an aclnn kernel called through the C++ extension (CustomOpBuilder),
     "" for one called through ops.Custom.
+    host_values: reads input values on the host at every step (value-depend inputs): in GRAPH
+    mode only kernel by kernel (jit_level O0/O1), not in a whole sunk graph (O2).
     """
     name: str
     build: Callable
@@ -152,6 +154,7 @@ class Impl:
     about: str = ""
     symbol: str = ""
     route: str = ""
+    host_values: bool = False
 
     def __post_init__(self):
         if self.name not in IMPL_NAMES:
@@ -167,9 +170,12 @@ class Impl:
             return f"runs in {'/'.join(self.modes)} mode only"
         return ""
 
-    def unavailable(self, target, soc, mode):
+    def unavailable(self, target, soc, mode, jit_level=""):
         """Why this implementation cannot run here (elsewhere, or not installed), or ''."""
         why = self.elsewhere(target, soc, mode)
+        if not why and self.host_values and mode == _platform.GRAPH and jit_level == "O2":
+            why = ("reads its inputs' values on the host at every step, which a graph sunk "
+                   "whole (jit_level O2) cannot do: kernel by kernel only (O0/O1)")
         if not why and self.available is not None:
             why = self.available()
         return why
@@ -229,7 +235,9 @@ class OpDef:
 
     def __call__(self, *inputs, **kwargs):
         """Applies the operator: inputs in declaration order (None for absent optional ones)."""
-        return _resolve(self, _signature(inputs), **kwargs)(inputs)
+        # compiling: in a GRAPH-mode Cell, and in a @ms.jit function called in PyNative mode
+        # (the context still says PyNative there)
+        return _resolve(self, _signature(inputs), _compat.compiling(), **kwargs)(inputs)
 
 
 def _check_binding(op, binding):
@@ -289,12 +297,13 @@ def _attribute_items(op, **kwargs):
     return tuple(op.resolve(**kwargs).items())  # raises the attribute's own TypeError
 
 
-def _resolve_now(op, signature, **kwargs):
+def _resolve_now(op, signature, compiling, **kwargs):
     items = _attribute_items(op, **kwargs)
     target = _platform.device_target()
-    platform = (target, _platform.soc_family(target), _platform.execution_mode(),
+    platform = (target, _platform.soc_family(target), _platform.execution_mode(compiling),
                 _platform.forced_impl())
-    impl = choose(op, items, platform, signature)
+    jit_level = _platform.jit_level() if platform[2] == _platform.GRAPH else ""
+    impl = choose(op, items, platform, signature, jit_level)
     try:
         name, fn = built(op, impl, items)
     except Exception as error:  # pylint: disable=broad-except
@@ -305,7 +314,7 @@ def _resolve_now(op, signature, **kwargs):
         _BROKEN[impl] = f"building it failed ({type(error).__name__}: {error})"
         _log.warning("%s: %s passed over: %s", op.name, impl.name, _BROKEN[impl])
         choose.cache_clear()
-        return _resolve_now(op, signature, **kwargs)
+        return _resolve_now(op, signature, compiling, **kwargs)
     for log in _RECORDERS:
         log.append((op.name, name))
     return fn
@@ -343,8 +352,9 @@ def describe(op, signature):
 
 
 @functools.lru_cache(maxsize=4096)
-def choose(op, attr_items, platform, signature):
-    """The implementation for a call (see the module docstring for the rules)."""
+def choose(op, attr_items, platform, signature, jit_level=""):
+    """The implementation for a call (see the module docstring for the rules); jit_level: the
+    context's, in GRAPH mode."""
     target, soc, mode, forced = platform
     where = f"{target}{' ' + soc if soc else ''}, {mode} mode"
     if forced is not None and forced not in IMPL_NAMES:
@@ -353,7 +363,8 @@ def choose(op, attr_items, platform, signature):
     validate(op, attrs, args)
     forced_impl = op.impl(forced, target, soc, mode) if forced else None
     if forced_impl is not None:
-        why = forced_impl.unavailable(target, soc, mode) or _refusal(forced_impl, attrs, args, soc)
+        why = forced_impl.unavailable(target, soc, mode, jit_level) or \
+            _refusal(forced_impl, attrs, args, soc)
         if why:
             raise ValueError(f"{op.name}: {_platform.IMPL_ENV}={forced} forces the {forced} "
                              f"implementation, which cannot run this call ({where}): {why}")
@@ -361,7 +372,7 @@ def choose(op, attr_items, platform, signature):
         return forced_impl
     passed, elsewhere = [], []
     for impl in op.impls:
-        why = impl.unavailable(target, soc, mode) or _refusal(impl, attrs, args, soc)
+        why = impl.unavailable(target, soc, mode, jit_level) or _refusal(impl, attrs, args, soc)
         if not why:
             if impl.warn:
                 _log.warning("%s: %s on %s (%s); passed over: %s", op.name, impl.name, where,

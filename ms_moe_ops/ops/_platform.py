@@ -21,8 +21,17 @@ def device_target():
     return context_param("device_target")
 
 
-def execution_mode():
-    return GRAPH if context_param("mode") == GRAPH_MODE else PYNATIVE
+def execution_mode(compiling=False):
+    """GRAPH while a graph is compiled (`compiling`: _compat.compiling() at the call site), which
+    includes a @ms.jit function in PyNative mode, where the context still says PyNative; else
+    what the context says."""
+    return GRAPH if compiling or context_param("mode") == GRAPH_MODE else PYNATIVE
+
+
+def jit_level():
+    """The context's jit_level ("O0", "O1", "O2"; '' when unset: MindSpore's default, kernel by
+    kernel on Atlas A2/A3/950). A level given to one `ms.jit(jit_level=...)` is not seen here."""
+    return context_param("jit_level") or ""
 
 
 def soc_family(target=None):

@@ -235,6 +235,19 @@ def _backward_composed(a):
     return backward
 
 
+def _zero_grad_weight_without_weight(a):
+    """aclnnSwigluGroupQuantGrad writes gradWeightOutOptional only for a weight: without one, the
+    declared grad_weight (zeros, as the CPU kernel and the composition give) is made here rather
+    than read from a buffer the kernel never wrote."""
+    def wrap(call, inputs):
+        out = call(inputs)
+        if inputs[2] is not None:
+            return out
+        return out[0], ops.zeros(out[1].shape, dtype=ms.float32)
+
+    return wrap
+
+
 SWIGLU_GROUP_QUANT_GRAD = OpDef(
     name=_BWD,
     inputs=("grad_y", "x", "weight", "y_origin", "group_index"),
@@ -252,7 +265,8 @@ SWIGLU_GROUP_QUANT_GRAD = OpDef(
               "clamp_limit:double", socs=(ASCEND_950,),
               dtypes=[(t, t, "float32", t, "int64", t, "float32") for t in FLOATS],
               scalars=lambda a: {"clamp_limit": a["clamp_limit"] if a["clamp_limit"] > 0
-                                 else ACLNN_CLAMP_OFF}),
+                                 else ACLNN_CLAMP_OFF},
+              around=_zero_grad_weight_without_weight),
         composition(_backward_composed),
     ),
 )
