@@ -150,6 +150,9 @@ CLASSES = {
                 "convert_moe_checkpoint", "convert_deepseek_v3_moe", "convert_deepseek_v2_moe",
                 "convert_qwen3_moe", "convert_qwen2_moe", "convert_mixtral_moe"))),
     "QuantMoeFFN(activation)": _members("fastgelu", "gelu", "relu", "silu"),
+    "QuantMoeFFN(padded)": _flag(),
+    "quantize(mode)": _members("int8", "w8a16"),
+    "quantize(calibration)": _OPTIONAL,
     **_same(_members("float16", "bfloat16", "float32"), "QuantMoeFFN(output_dtype)",
             "quantize_moe_ffn(output_dtype)"),
     # parallel
@@ -775,10 +778,50 @@ def test_quantised_cell_option(activation, output_dtype, rng):
     assert err < 0.03, f"relative error {err:.3%}"
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_quantised_cell_padded(padded, rng):
+    """QuantMoeFFN(padded), from the MoeFFN's own: rows past the counts' sum are zero (padded),
+    the covered rows within 3% of the float experts in numpy."""
+    cell = MoeFFN(2, 32, 64, activation="gelu", padded=padded)
+    for p, fan_in in ((cell.weight1, 32), (cell.weight2, 64)):
+        p.set_data(Tensor(rng.uniform(-1, 1, p.shape).astype(np.float32) / np.sqrt(fan_in)))
+    counts = np.array([50, 60], np.int64)
+    x = rng.standard_normal((110, 32)).astype(np.float32)
+    q = quantize_moe_ffn(cell, x, counts, output_dtype="float32")
+    assert q.padded is padded
+    rows = np.concatenate([x, np.full((18, 32), 50, np.float32)]) if padded else x
+    y = numpy(q(Tensor(rows), Tensor(counts)))
+    expected = _numpy_experts(x.astype(np.float64), counts, cell.weight1.asnumpy().astype(float),
+                              cell.weight2.asnumpy().astype(float), None, None, "gelu", 0.0)
+    assert not y[len(x):].any()
+    err = np.linalg.norm(y[:len(x)] - expected) / np.linalg.norm(expected)
+    assert err < 0.03, f"relative error {err:.3%}"
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a16"])
+def test_quantize_option(mode, rng):
+    """quantize(mode, calibration): a MoELayer's routed experts quantised in place (int8 with
+    calibration batches, w8a16 without), the layer's output near the float layer's (int8 also
+    rounds the activations to a per-tensor step: 5%; w8a16 the weights only: 1%)."""
+    from ms_moe_ops import quantize
+    layer = MoELayer(32, 64, 4, 2)
+    layer.set_train(False)
+    x = Tensor(rng.standard_normal((64, 32)).astype(np.float32))
+    expected = numpy(layer(x)).astype(np.float64)
+    calibration = [x] if mode == "int8" else None
+    assert quantize(layer, mode, calibration=calibration) is layer
+    assert not isinstance(layer.experts, MoeFFN)
+    err = np.linalg.norm(numpy(layer(x)) - expected) / np.linalg.norm(expected)
+    assert err < {"int8": 0.05, "w8a16": 0.01}[mode], f"relative error {err:.3%}"
+
+
 QUANT_VALUES = [{"QuantMoeFFN(activation)": a, "QuantMoeFFN(output_dtype)": d,
-                 "quantize_moe_ffn(output_dtype)": d}
+                 "quantize_moe_ffn(output_dtype)": d, "QuantMoeFFN(padded)": False}
                 for a in ("fastgelu", "gelu", "relu", "silu")
-                for d in ("float16", "bfloat16", "float32")]
+                for d in ("float16", "bfloat16", "float32")] + [
+    {"QuantMoeFFN(padded)": True},  # test_quantised_cell_padded
+    {"quantize(mode)": "int8", "quantize(calibration)": "batches"},  # test_quantize_option
+    {"quantize(mode)": "w8a16", "quantize(calibration)": None}]
 
 
 # -- parallel: the training step, sharding, the launcher -----------------------------------------

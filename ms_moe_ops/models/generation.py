@@ -11,6 +11,8 @@ from .config import GQAConfig, MLAConfig
 __all__ = ["generate", "DecodeStep", "new_cache", "cache_bytes_per_token"]
 
 _MIN = float(np.finfo(np.float32).min)
+# the Gather primitive: ops.gather changes its parameter order and semantics after 2.9.0
+_GATHER = ops.Gather()
 
 
 def new_cache(config, batch, length, dtype=ms.float32):
@@ -22,7 +24,7 @@ def new_cache(config, batch, length, dtype=ms.float32):
         shapes = ((batch, 1, length, a.kv_lora_rank), (batch, 1, length, a.qk_rope_head_dim))
     else:
         shapes = ((batch, a.num_kv_heads, length, a.head_dim),) * 2
-    return tuple(tuple(ops.zeros(s, dtype) for s in shapes) for _ in range(config.num_layers))
+    return tuple(tuple(ops.zeros(s, dtype=dtype) for s in shapes) for _ in range(config.num_layers))
 
 
 def cache_bytes_per_token(config, dtype_bytes=4):
@@ -71,7 +73,7 @@ class DecodeStep(nn.Cell):
             allowed = ops.logical_and(allowed, query - key < self.window)
         allowed = ops.logical_and(allowed.reshape(1, 1, s, length),
                                   key_valid.reshape(b, 1, 1, length))
-        mask = ops.where(allowed, ops.zeros((b, 1, s, length), ms.float32),
+        mask = ops.where(allowed, ops.zeros((b, 1, s, length), dtype=ms.float32),
                          ops.full((b, 1, s, length), _MIN, dtype=ms.float32))
         x = model.embed_tokens(ids)
         new = ()
@@ -84,7 +86,7 @@ class DecodeStep(nn.Cell):
         else:
             for layer in model.layers:
                 x = layer(x, cos, sin, mask)
-        x = ops.gather(x, pick.reshape(1), 1)
+        x = _GATHER(x, pick.reshape(1), 1)
         logits = self.net.head(model.norm(x))
         return logits.reshape(b, -1), new
 
