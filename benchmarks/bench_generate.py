@@ -6,10 +6,14 @@ with save_pretrained and converted with ms_moe_ops.convert.
 
 Decode tokens/s = batch x (new tokens - 1) / the time from the first new token to the last (the
 prompt's pass and the compilations excluded), greedy, no eos, for batch 1 and batch 8, each side
-run in turns (the median of --repeats rounds). Then the time per token along one long
-generation, in windows of positions: flat for a static cache.
+run in turns (the median of --repeats rounds); then ms_moe_ops with its routed experts quantised
+(int8: W8A8, calibrated on 8 random prompts; w8a16), against transformers' float32 rate. Then
+the time per token along one long generation, in windows of positions: flat for a static cache.
 
     OMP_NUM_THREADS=2 python benchmarks/bench_generate.py
+
+OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, unless set otherwise), as in the generate
+command, for both sides.
 """
 import argparse
 import os
@@ -20,6 +24,13 @@ import tempfile
 import time
 
 import numpy as np
+
+# as `python -m ms_moe_ops.generate` runs (its _sleeping_openmp), for both sides: torch, MindSpore
+# and the kernels share one libgomp, which reads it when it loads (nothing has yet)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+QUANT_MODES = ("int8", "w8a16")
 
 
 def hf_config(a):
@@ -66,6 +77,7 @@ def main(argv=None):
     import torch
     import transformers
     from ms_moe_ops.convert import convert_checkpoint, load_pretrained
+    from ms_moe_ops import quantize
     from ms_moe_ops.models import DecodeStep, generate
 
     ms.set_device("CPU")
@@ -78,15 +90,17 @@ def main(argv=None):
         model.save_pretrained(os.path.join(work, "hf"))
         convert_checkpoint(os.path.join(work, "hf"), os.path.join(work, "ms"))
         net = load_pretrained(os.path.join(work, "ms"))
+        quantised = {mode: load_pretrained(os.path.join(work, "ms")) for mode in QUANT_MODES}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"Qwen3-MoE-like: {a.layers} layers, H={a.hidden}, {a.experts} experts of {a.ffn} "
           f"(top-{a.top_k}), vocab {a.vocab}; float32; prompt {a.prompt}, {a.new} new tokens; "
-          f"torch on {a.threads} thread(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+          f"torch on {a.threads} thread(s), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
 
-    def ours(ids, new, step):
+    def ours(ids, new, step, model=net):
         clock = Clock()
-        tokens = generate(net, ids, new, streamer=clock, step=step)
+        tokens = generate(model, ids, new, streamer=clock, step=step)
         return tokens, clock.times
 
     def theirs(ids, new):
@@ -99,6 +113,10 @@ def main(argv=None):
         return tokens, clock.times[1:]  # the first put is the prompt
 
     rng = np.random.default_rng(0)
+    for mode, qnet in quantised.items():  # calibrated on prompts of the benchmark's shape
+        calibration = [ms.Tensor(rng.integers(0, a.vocab, (8, a.prompt)).astype(np.int32))]
+        quantize(qnet, mode, calibration=calibration if mode == "int8" else None)
+    float_rates = {}
     for batch in (1, 8):
         ids = rng.integers(0, a.vocab, (batch, a.prompt))
         step = DecodeStep(net)
@@ -112,9 +130,23 @@ def main(argv=None):
                 _, times = fn()
                 rates[name].append(batch * (len(times) - 1) / (times[-1] - times[0]))
         r = {k: statistics.median(v) for k, v in rates.items()}
+        float_rates[batch] = r
         print(f"batch {batch}: decode {r['ms_moe_ops']:8.1f} tokens/s (ms_moe_ops, GRAPH), "
               f"{r['transformers']:8.1f} tokens/s (transformers); ratio "
               f"{r['ms_moe_ops'] / r['transformers']:.2f}x; same greedy tokens: {same:.0%}")
+
+    for mode, qnet in quantised.items():  # routed experts quantised (ms_moe_ops.quantize)
+        for batch in (1, 8):
+            ids = rng.integers(0, a.vocab, (batch, a.prompt))
+            step = DecodeStep(qnet)
+            ours(ids, a.new, step, qnet)  # compiles
+            rates = []
+            for _ in range(a.repeats):
+                _, times = ours(ids, a.new, step, qnet)
+                rates.append(batch * (len(times) - 1) / (times[-1] - times[0]))
+            rate, theirs_rate = statistics.median(rates), float_rates[batch]["transformers"]
+            print(f"batch {batch}, {mode} experts: decode {rate:8.1f} tokens/s (ms_moe_ops, "
+                  f"GRAPH), {rate / theirs_rate:.2f}x transformers' float32")
 
     ids = rng.integers(0, a.vocab, (1, 16))
     step = DecodeStep(net)

@@ -39,6 +39,155 @@ inline onednn::Sgemm *onednn_sgemm() { return nullptr; }
 inline onednn::GemmBf16 *bf16_dot() { return nullptr; }
 #endif
 
+// -- few rows: one pass over b ---------------------------------------------------------------------
+
+// Rows of a up to which a product is a few matrix-vector products (decoding's shapes): b streams
+// through once at memory speed, where a GEMM would pack it first (oneDNN's sgemm runs at a third
+// of the memory bandwidth on one row). Every c element is one fixed-order sum over k.
+constexpr int64_t kSkinnyRows = 16;
+
+inline float skinny_out(float sum, float beta, const float *c) {
+  return beta == 0.f ? sum : sum + beta * *c;
+}
+
+#if defined(__AVX512F__)
+// AVX-512: blocks of I rows of a by J rows of b (trans_b) or by 64 columns of b, I * J
+// accumulators in registers, so each load of a or b feeds several FMAs.
+template <int I, int J>
+inline void skinny_dots(int64_t k, const float *a, int64_t lda, const float *b, int64_t ldb,
+                        float beta, float *c, int64_t ldc) {
+  __m512 acc[I][J];
+  for (int i = 0; i < I; ++i)
+    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; p += 16) {
+    const __mmask16 keep = k - p >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k - p)) - 1);
+    __m512 bj[J];
+    for (int j = 0; j < J; ++j) bj[j] = _mm512_maskz_loadu_ps(keep, b + j * ldb + p);
+    for (int i = 0; i < I; ++i) {
+      const __m512 ai = _mm512_maskz_loadu_ps(keep, a + i * lda + p);
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_fmadd_ps(ai, bj[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < I; ++i)
+    for (int j = 0; j < J; ++j)
+      c[i * ldc + j] = skinny_out(_mm512_reduce_add_ps(acc[i][j]), beta, c + i * ldc + j);
+}
+
+template <int I>
+inline void skinny_axpys(int64_t k, int64_t w, const float *a, int64_t lda, const float *b,
+                         int64_t ldb, float beta, float *c, int64_t ldc) {
+  constexpr int V = 4;  // 64 columns
+  __m512 acc[I][V];
+  __mmask16 keep[V];
+  for (int v = 0; v < V; ++v) {
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, w - 16 * v));
+    keep[v] = (__mmask16)((1u << left) - 1);
+    for (int i = 0; i < I; ++i) acc[i][v] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    __m512 bp[V];
+    for (int v = 0; v < V; ++v) bp[v] = _mm512_maskz_loadu_ps(keep[v], b + p * ldb + 16 * v);
+    for (int i = 0; i < I; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * lda + p]);
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(x, bp[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < I; ++i)
+    for (int v = 0; v < V; ++v) {
+      float *ci = c + i * ldc + 16 * v;
+      __m512 out = acc[i][v];
+      if (beta != 0.f)
+        out = _mm512_fmadd_ps(_mm512_set1_ps(beta), _mm512_maskz_loadu_ps(keep[v], ci), out);
+      _mm512_mask_storeu_ps(ci, keep[v], out);
+    }
+}
+constexpr int64_t kAxpyCols = 64;
+#else
+// Elsewhere: the same blocks in plain loops (vectorised by the compiler), one row of a at a time.
+template <int I, int J>
+inline void skinny_dots(int64_t k, const float *a, int64_t lda, const float *b, int64_t ldb,
+                        float beta, float *c, int64_t ldc) {
+  const int64_t body = k / 16 * 16;
+  for (int i = 0; i < I; ++i) {
+    const float *ai = a + i * lda;
+    float acc[J][16] = {};
+    for (int64_t p = 0; p < body; p += 16)
+      for (int j = 0; j < J; ++j)
+        for (int l = 0; l < 16; ++l) acc[j][l] += ai[p + l] * b[j * ldb + p + l];
+    for (int j = 0; j < J; ++j) {
+      for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) acc[j][l] += acc[j][l + w];
+      float sum = acc[j][0];
+      for (int64_t p = body; p < k; ++p) sum += ai[p] * b[j * ldb + p];
+      c[i * ldc + j] = skinny_out(sum, beta, c + i * ldc + j);
+    }
+  }
+}
+
+template <int I>
+inline void skinny_axpys(int64_t k, int64_t w, const float *a, int64_t lda, const float *b,
+                         int64_t ldb, float beta, float *c, int64_t ldc) {
+  float acc[I][256] = {};
+  for (int64_t p = 0; p < k; ++p) {
+    const float *bp = b + p * ldb;
+    for (int i = 0; i < I; ++i) {
+      const float x = a[i * lda + p];
+      for (int64_t j = 0; j < w; ++j) acc[i][j] += x * bp[j];
+    }
+  }
+  for (int i = 0; i < I; ++i)
+    for (int64_t j = 0; j < w; ++j) c[i * ldc + j] = skinny_out(acc[i][j], beta, c + i * ldc + j);
+}
+constexpr int64_t kAxpyCols = 256;
+#endif
+
+// c[i, j] = a[i, :] . b[j, :] + beta * c[i, j] over all m rows of a, in blocks of up to 4 rows,
+// for J rows of b [n, k].
+template <int J>
+inline void skinny_dot_rows(int64_t m, int64_t k, const float *a, int64_t lda, const float *b,
+                            int64_t ldb, float beta, float *c, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) skinny_dots<4, J>(k, a + i * lda, lda, b, ldb, beta, c + i * ldc, ldc);
+  const float *ai = a + i * lda;
+  float *ci = c + i * ldc;
+  switch (m - i) {
+    case 3: skinny_dots<3, J>(k, ai, lda, b, ldb, beta, ci, ldc); break;
+    case 2: skinny_dots<2, J>(k, ai, lda, b, ldb, beta, ci, ldc); break;
+    case 1: skinny_dots<1, J>(k, ai, lda, b, ldb, beta, ci, ldc); break;
+    default: break;
+  }
+}
+
+// c[:, :w] = a @ b[:, :w] + beta * c over all m rows of a, in blocks of up to 4 rows.
+inline void skinny_axpy_rows(int64_t m, int64_t k, int64_t w, const float *a, int64_t lda,
+                             const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) skinny_axpys<4>(k, w, a + i * lda, lda, b, ldb, beta, c + i * ldc, ldc);
+  const float *ai = a + i * lda;
+  float *ci = c + i * ldc;
+  switch (m - i) {
+    case 3: skinny_axpys<3>(k, w, ai, lda, b, ldb, beta, ci, ldc); break;
+    case 2: skinny_axpys<2>(k, w, ai, lda, b, ldb, beta, ci, ldc); break;
+    case 1: skinny_axpys<1>(k, w, ai, lda, b, ldb, beta, ci, ldc); break;
+    default: break;
+  }
+}
+
+// c[m, n] = a[m, k] @ op(b) + beta * c for m <= kSkinnyRows.
+inline void skinny_gemm(bool trans_b, int64_t m, int64_t n, int64_t k, const float *a,
+                        int64_t lda, const float *b, int64_t ldb, float beta, float *c,
+                        int64_t ldc) {
+  if (trans_b) {  // b [n, k]: dot products, four rows of b at a time
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) skinny_dot_rows<4>(m, k, a, lda, b + j * ldb, ldb, beta, c + j, ldc);
+    for (; j < n; ++j) skinny_dot_rows<1>(m, k, a, lda, b + j * ldb, ldb, beta, c + j, ldc);
+    return;
+  }
+  // b [k, n]: each c row accumulates a[i, p] * b[p, :] over p, a block of columns at a time
+  for (int64_t j = 0; j < n; j += kAxpyCols)
+    skinny_axpy_rows(m, k, std::min(kAxpyCols, n - j), a, lda, b + j, ldb, beta, c + j, ldc);
+}
+
 // c[m, n] = op(a) @ op(b) + beta * c, row-major float32 (lda/ldb/ldc: row strides), in the
 // calling thread.
 inline void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float *a,
@@ -49,6 +198,7 @@ inline void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, c
       for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, sizeof(float) * n);
     return;
   }
+  if (!trans_a && m <= kSkinnyRows) return skinny_gemm(trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
   if (onednn::Sgemm *f = onednn_sgemm())
     if (f(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, 1.f, a, lda, b, ldb, beta, c, ldc) == 0)
       return;
@@ -106,6 +256,8 @@ inline int64_t tile_rows(int64_t total) {
 // Columns per tile: every column, unless there are too few rows to share out.
 inline int64_t tile_cols(int64_t total_rows, int64_t n) {
   if (total_rows >= 256 || n <= 128) return n;
+  // a few rows (decoding): 16 slices of b's columns for the threads to share
+  if (total_rows <= kSkinnyRows) return std::max<int64_t>(64, (n / 16 + 15) / 16 * 16);
   return std::max<int64_t>(64, (n / 4 + 15) / 16 * 16);
 }
 

@@ -1,6 +1,7 @@
 // grouped_matmul (SPEC §5): one matrix product per group of rows, groups given by an int64
 // counts (or cumulative ends) tensor. Two forms cover a grouped layer and its backward:
 //   rows form:       out[rows g] = x[rows g] @ op(weight[g]) (+ bias[g])   x [M,K] -> [M,N]
+//                    (a 2-D weight is every group's: a dense layer's product, read in place)
 //   transposed-x:    out[g]      = x[rows g]^T @ b[rows g]                 x [M,K], b [M,N] -> [G,K,N]
 // Every product goes through the BLAS (gemm.h); float16 blocks are converted to float32 first,
 // bfloat16 operands go as they are to a bfloat16 dot-product GEMM where the path has one (else
@@ -28,7 +29,7 @@ void rows_form(const Arg &x, const Arg &w, const Arg &bias, const std::vector<in
   for_each_tile(row_tiles(off, n), [&](const Tile &t) {
     thread_local std::vector<float> wbuf, xbuf, ybuf;
     // the tile's columns of op(weight[g]): [k, c] of [k, n], or [c, k] rows of [n, k]
-    const T *wg = ws + t.g * k * n;
+    const T *wg = w.ndim == 2 ? ws : ws + t.g * k * n;
     if constexpr (std::is_same_v<T, bf16>) {
       if (dot) {
         ybuf.resize(t.r * t.c);
@@ -106,7 +107,8 @@ void transposed_x_form(const Arg &x, const Arg &b, const std::vector<int64_t> &o
 }
 
 // The arguments (SPEC §5): x [M, K] float; group_list int64 [G], G >= 1; rows form: weight
-// [G, K, N] ([G, N, K] with transpose_weight), bias [G, N] or none, out [M, N]; transpose_x:
+// [G, K, N] ([G, N, K] with transpose_weight) or one for every group, [K, N] ([N, K]), bias
+// [G, N] or none, out [M, N]; transpose_x:
 // weight [M, N], no bias, out [G, K, N]; every tensor of x's dtype, every size within the BLAS's
 // int. Both transposes at once are not a form.
 int check_grouped_matmul(const Args &args, bool trans_x, bool trans_w) {
@@ -118,14 +120,17 @@ int check_grouped_matmul(const Args &args, bool trans_x, bool trans_w) {
   if (g < 1) return fail(kOp, "'group_list' must hold at least one group, got %s", shape_label(groups).c_str());
   if (trans_x && trans_w)
     return fail(kOp, "attributes 'transpose_x' and 'transpose_weight' cannot both be true");
-  if (int rc = check_arg(kOp, "weight", w, trans_x ? 2 : 3, {x.dtype})) return rc;
-  const int64_t n = trans_x ? w.dim(1) : trans_w ? w.dim(1) : w.dim(2);
+  const bool shared = !trans_x && w.ndim == 2;  // one weight for every group
+  if (int rc = check_arg(kOp, "weight", w, trans_x || shared ? 2 : 3, {x.dtype})) return rc;
+  const int64_t n = trans_x ? w.dim(1) : w.dim(w.ndim - (trans_w ? 2 : 1));
   if (trans_x) {
     if (int rc = check_exact(kOp, "weight", w, x.dtype, {m, n})) return rc;
     if (int rc = check_absent(kOp, "bias", bias, "no bias with transpose_x")) return rc;
     if (int rc = check_exact(kOp, "out", out, x.dtype, {g, k, n})) return rc;
   } else {
-    if (trans_w) {
+    if (shared) {
+      if (int rc = check_exact(kOp, "weight", w, x.dtype, {trans_w ? n : k, trans_w ? k : n})) return rc;
+    } else if (trans_w) {
       if (int rc = check_exact(kOp, "weight", w, x.dtype, {g, n, k})) return rc;
     } else if (int rc = check_exact(kOp, "weight", w, x.dtype, {g, k, n})) {
       return rc;
@@ -141,7 +146,8 @@ int check_grouped_matmul(const Args &args, bool trans_x, bool trans_w) {
 }  // namespace MOE_ISA_NS
 }  // namespace moe
 
-// inputs: x [M, K], weight ([G, K, N], [G, N, K] transposed, or [M, N] with transpose_x),
+// inputs: x [M, K], weight ([G, K, N], [G, N, K] transposed, one for every group: [K, N] or
+// [N, K] transposed, or [M, N] with transpose_x),
 // group_list int64 [G], bias [G, N] or None; output [M, N] (or [G, K, N] with transpose_x).
 // attrs transpose_x, transpose_weight, cumulative, padded (rows past the last group allowed;
 // true when absent).

@@ -76,7 +76,9 @@ Shape grouped_matmul(int *ndims, int64_t **shapes, Extra *extra) {
   const Shape x = shape_of(ndims, shapes, 0), w = shape_of(ndims, shapes, 1);
   const Shape groups = shape_of(ndims, shapes, 2);
   if (extra->GetAttrBool("transpose_x")) return {dim(groups, 0, 1), dim(x, 1, 2), dim(w, 1, 2)};
-  return {dim(x, 0, 2), dim(w, extra->GetAttrBool("transpose_weight") ? 1 : 2, 3)};
+  // weight [G, K, N] or one for every group, [K, N] (transpose_weight: [G, N, K] or [N, K])
+  const size_t rank = w.size() == 2 ? 2 : 3;
+  return {dim(x, 0, 2), dim(w, extra->GetAttrBool("transpose_weight") ? -2 : -1, rank)};
 }
 
 // K, the slots per token: probs.shape[1] with probs (the third input), else the attribute top_k.

@@ -202,5 +202,20 @@ def main(argv=None):
     return 0
 
 
+def _sleeping_openmp():
+    """Runs the command again with OpenMP's idle threads sleeping rather than spinning, unless
+    OMP_WAIT_POLICY is set: between the many small kernels of a decode step MindSpore's own
+    threads need the cores, and spinning ones made a step take up to 4x longer on 2 cores
+    (training's few large kernels prefer spinning, so this is the command's choice only).
+    libgomp reads the policy once, when it loads, and `import mindspore` (before this module:
+    the package imports it) has loaded it."""
+    if os.environ.get("OMP_WAIT_POLICY") or os.name != "posix":
+        return
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    sys.stdout.flush()
+    os.execv(sys.executable, sys.orig_argv)
+
+
 if __name__ == "__main__":
+    _sleeping_openmp()
     sys.exit(main())

@@ -442,6 +442,8 @@ def grouped_matmul(x, weight, group_list, bias=None, transpose_x=False, transpos
     groups = _group_offsets(group_list, x.shape[0], cumulative, padded)
     if transpose_x:
         return np.stack([x[s:e].T @ w[s:e] for s, e in groups])
+    if w.ndim == 2:  # one weight for every group
+        w = np.broadcast_to(w, (len(groups),) + w.shape)
     if transpose_weight:
         w = w.transpose(0, 2, 1)
     out = np.zeros((x.shape[0], w.shape[2]))

@@ -464,14 +464,20 @@ def _gmm(rng, dtype, form="plain", cumulative=False, padding=0):
     b = rounded(rng.normal(size=(3, 4)), dtype)
     dy = rounded(rng.normal(size=(7 + padding, 4)), dtype)
     gl = np.cumsum(counts) if cumulative else counts
-    if form == "transpose_weight":
+    if form == "shared":  # one [K, N] weight for every group (a dense layer)
+        inputs, golden = [x, w[1], gl, b], ref.grouped_matmul(x, w[1], counts, b)
+    elif form == "shared_transposed":  # its [N, K] form over one group (the models' projections)
+        one = np.array([7], np.int64)
+        inputs, golden = [x, w[1].T.copy(), one, None], ref.grouped_matmul(x, w[1], one)
+    elif form == "transpose_weight":
         wt = w.transpose(0, 2, 1).copy()
         inputs, golden = [x, wt, gl, None], ref.grouped_matmul(x, w, counts)
     elif form == "transpose_x":
         inputs, golden = [x, dy, gl, None], ref.grouped_matmul(x, dy, counts, transpose_x=True)
     else:
         inputs, golden = [x, w, gl, b], ref.grouped_matmul(x, w, counts, b)
-    attrs = dict(transpose_x=form == "transpose_x", transpose_weight=form == "transpose_weight",
+    attrs = dict(transpose_x=form == "transpose_x",
+                 transpose_weight=form in ("transpose_weight", "shared_transposed"),
                  cumulative=cumulative)
     return GROUPED_MATMUL, inputs, attrs, (golden,)
 
@@ -541,6 +547,9 @@ CASES = {
     "grouped_matmul_transpose_x": lambda r, d: _gmm(r, d, "transpose_x"),
     "grouped_matmul_padded": lambda r, d: _gmm(r, d, padding=3),
     "grouped_matmul_transpose_x_padded": lambda r, d: _gmm(r, d, "transpose_x", True, 2),
+    "grouped_matmul_shared_weight": lambda r, d: _gmm(r, d, "shared", True),
+    "grouped_matmul_shared_weight_transposed": lambda r, d: _gmm(r, d, "shared_transposed",
+                                                                 padding=2),
     "moe_ffn_padded": lambda r, d: _moe_ffn(r, d, "silu", padding=2),
     "permute": _permute,
     "unpermute": _unpermute,

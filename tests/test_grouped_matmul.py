@@ -69,6 +69,22 @@ def test_column_tiles(transpose_weight, rows, n, dtype, rng):
     assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17])
+@pytest.mark.parametrize("transpose_weight", [False, True], ids=["plain", "transpose_weight"])
+def test_few_rows(transpose_weight, rows, rng):
+    """Up to 16 rows a float32 product is the kernels' own matrix-vector path (custom_aot/gemm.h,
+    decoding's shapes): blocks of 4 rows and of 4 weight rows or 64 columns with masked tails, so
+    odd K and N and every row count up to 17 (the BLAS again) against float64; a bias and a
+    second group (padding rows at the end) included."""
+    k, n = 37, 133
+    counts = (rows - rows // 2, rows // 2)
+    x, w, b, _, gl = _case(rng, m=rows + 1, k=k, n=n, counts=counts)
+    stored = w.transpose(0, 2, 1).copy() if transpose_weight else w
+    y = grouped_matmul(tensor(x, "float32"), tensor(stored, "float32"), tensor(gl),
+                       tensor(b, "float32"), transpose_weight=transpose_weight)
+    assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), rtol=1e-5)
+
+
 def test_cumulative_group_list(rng):
     x, w, b, _, gl = _case(rng)
     y = grouped_matmul(tensor(x, "float32"), tensor(w, "float32"), tensor(np.cumsum(gl)),
@@ -76,15 +92,19 @@ def test_cumulative_group_list(rng):
     assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b))
 
 
-@pytest.mark.parametrize("form", ["plain", "transpose_weight", "transpose_x"])
+@pytest.mark.parametrize("form", ["plain", "transpose_weight", "transpose_x", "shared",
+                                  "shared_transposed"])
 def test_gradients_by_finite_differences(form, mode, rng):
     x, w, b, dy, gl = _case(rng, m=6, k=3, n=2, counts=(2, 0, 4))
     r = rng.standard_normal((3, 3, 2) if form == "transpose_x" else (6, 2))  # loss weights
-    if form == "transpose_weight":
-        w = w.transpose(0, 2, 1).copy()
+    if form.startswith("shared"):  # one weight for every group: its gradient sums theirs
+        w = w[0]
+    if form.endswith("transpose_weight") or form == "shared_transposed":
+        w = np.swapaxes(w, -1, -2).copy()
     second = dy if form == "transpose_x" else w
-    use_bias = form == "plain"
-    kw = dict(transpose_x=form == "transpose_x", transpose_weight=form == "transpose_weight")
+    use_bias = form in ("plain", "shared")
+    kw = dict(transpose_x=form == "transpose_x",
+              transpose_weight=form in ("transpose_weight", "shared_transposed"))
 
     def loss(x, second, b, gl):
         out = grouped_matmul(x, second, gl, b if use_bias else None, **kw)
@@ -190,7 +210,10 @@ def _inputs(**over):
     (dict(x=np.zeros((6, 3, 1), np.float32)), {}, ValueError, "'x' must be 2-D"),
     (dict(w=np.zeros((2, 4, 4), np.float32)), {}, ValueError, "'weight' must have shape"),
     (dict(w=np.zeros((3, 3, 4), np.float32)), {}, ValueError, "'weight' must have shape"),
-    (dict(w=np.zeros((3, 4), np.float32)), {}, ValueError, "'weight' must be 3-D"),
+    (dict(w=np.zeros((4,), np.float32)), {}, ValueError, "'weight' must be 3-D or 2-D"),
+    (dict(w=np.zeros((4, 4), np.float32)), {}, ValueError, r"'weight' must have shape \[3, 4\]"),
+    (dict(w=np.zeros((3, 4), np.float32)), dict(transpose_weight=True), ValueError,
+     r"'weight' must have shape \[3, 3\] \(\[N, K\] \(transpose_weight\)"),
     (dict(gl=np.array([[2, 4]], np.int64)), {}, ValueError, "'group_list' must be 1-D"),
     (dict(b=np.zeros((2, 3), np.float32)), {}, ValueError, "'bias' must have shape"),
     (dict(w=np.zeros((5, 4), np.float32)), dict(transpose_x=True), ValueError, "M=6 rows"),

@@ -5,7 +5,8 @@ from mindspore import nn, ops
 
 from .config import CausalLMConfig, GQAConfig
 from .generation import generate
-from .layers import DecoderLayer, Embedding, RMSNorm, RotaryEmbedding, causal_mask
+from .layers import (DecoderLayer, Embedding, Linear, RMSNorm, RotaryEmbedding, causal_mask,
+                     linear, on_cpu)
 
 __all__ = ["MoECausalLM", "DecoderModel", "CausalLMLoss", "generate"]
 
@@ -54,8 +55,9 @@ class MoECausalLM(nn.Cell):
         self.config = config
         self.model = DecoderModel(config)
         self.tied = config.tie_word_embeddings
+        self.skinny = on_cpu()
         if not self.tied:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
     def construct(self, ids):
         return self.head(self.model(ids))
@@ -63,7 +65,7 @@ class MoECausalLM(nn.Cell):
     def head(self, h):
         """Final hidden states [..., H] -> logits [..., vocab]."""
         if self.tied:
-            return ops.matmul(h, self.model.embed_tokens.weight.swapaxes(0, 1))
+            return linear(h, self.model.embed_tokens.weight, self.skinny)
         return self.lm_head(h)
 
 

@@ -6,12 +6,14 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
+from ..nn._backend import project
 from ..nn.moe_layer import MoELayer
+from ..ops._platform import device_target
 from ..ops._indexing import take_rows
 from .config import GQAConfig
 
 __all__ = ["RMSNorm", "Embedding", "RotaryEmbedding", "GQAttention", "MLAttention", "MLP",
-           "DecoderLayer", "causal_mask", "write_cache"]
+           "DecoderLayer", "Linear", "linear", "causal_mask", "write_cache"]
 
 _MIN = float(np.finfo(np.float32).min)
 
@@ -44,6 +46,49 @@ class Embedding(nn.Cell):
 
     def construct(self, ids):
         return take_rows(self.weight, ids)
+
+
+# Rows up to which a float32 product on the CPU is the package's skinny product (decoding's
+# shapes; custom_aot/gemm.h kSkinnyRows): it streams the weight once at memory speed, where
+# MindSpore's MatMul runs at about a third of it on one row.
+SKINNY_ROWS = 16
+_MATMUL_T = ops.MatMul(transpose_b=True)
+
+
+def linear(x, weight, skinny):
+    """x [..., in] @ weight[out, in].T -> [..., out]; with `skinny` (the CPU) a float32 product
+    of at most SKINNY_ROWS rows through grouped_matmul (a static choice: shapes are constants
+    in a graph), else MindSpore's MatMul (no copy of the transposed weight)."""
+    lead = x.shape[:-1]
+    rows = 1
+    for size in lead:
+        rows *= size
+    flat = x.reshape(rows, x.shape[-1])
+    if skinny and rows <= SKINNY_ROWS and x.dtype == ms.float32 and weight.dtype == ms.float32:
+        out = project(flat, weight)
+    else:  # (a cast to the same dtype would be a copy in the graph)
+        out = _MATMUL_T(flat, weight if weight.dtype == x.dtype else weight.astype(x.dtype))
+    return out.reshape(lead + (weight.shape[0],))
+
+
+def on_cpu():
+    """True when the models' products may take the CPU kernels' skinny path."""
+    return device_target() == "CPU"
+
+
+class Linear(nn.Linear):
+    """nn.Linear (torch's [out, in] weight layout) whose products of a few float32 rows on the
+    CPU (a decoding step) go through `linear`'s skinny path."""
+
+    def __init__(self, n_in, n_out, bias=False, weight_init=None):
+        super().__init__(n_in, n_out, bias=bias, weight_init=weight_init)
+        self.skinny = on_cpu()
+
+    def construct(self, x):
+        out = linear(x, self.weight, self.skinny)
+        if self.bias is not None:
+            out = out + (self.bias if self.bias.dtype == out.dtype else self.bias.astype(out.dtype))
+        return out
 
 
 def _dense(n_in, n_out, bias=False):

@@ -20,9 +20,9 @@ def reshape(x, shape):
 
 def project(x, weight):
     """x [T, H] @ weight[O, H].T -> [T, O] as one group of grouped_matmul: MindSpore's MatMul
-    backward refuses zero tokens in a dynamic-shape graph, this package's kernels take them."""
-    return moe_ops.grouped_matmul(x, weight.reshape((1,) + weight.shape), rows_of(x),
-                                  transpose_weight=True)
+    backward refuses zero tokens in a dynamic-shape graph, this package's kernels take them; the
+    weight is read where it is (a reshape of a parameter is a copy on every call in a graph)."""
+    return moe_ops.grouped_matmul(x, weight, rows_of(x), transpose_weight=True)
 
 
 class Fork(SelfCastingCell):

@@ -9,7 +9,8 @@ import mindspore as ms
 from mindspore import ops
 
 from .._compat import auto_generate
-from ._checks import FLOATS, check_dtype, check_same_dtype, check_shape, differ, dims
+from ._checks import (FLOATS, check_dtype, check_rank, check_same_dtype, check_shape, differ,
+                      dims, unknown_rank)
 from ._impls import builtin, composition, kernel
 from ._op import Attr, OpDef
 from ._platform import A2, A3, ASCEND_950
@@ -37,11 +38,17 @@ def _infer(a, x, weight, group_list, bias):
         if bias is not None:
             raise ValueError(f"{_OP}: 'bias' is not supported with transpose_x, got shape {list(bias)}")
         return ([g, k, weight[1]],)
-    weight = dims(_OP, "weight", weight, 3)
-    n = weight[1] if a["transpose_weight"] else weight[2]
-    expected = [g, n, k] if a["transpose_weight"] else [g, k, n]
-    check_shape(_OP, "weight", weight, expected,
-                "[G, N, K] (transpose_weight)" if a["transpose_weight"] else "[G, K, N]")
+    check_rank(_OP, "weight", weight, (3, 2))
+    if not unknown_rank(weight) and len(weight) == 2:  # one weight for every group
+        n = weight[0] if a["transpose_weight"] else weight[1]
+        expected, what = ([n, k], "[N, K] (transpose_weight)") if a["transpose_weight"] else \
+            ([k, n], "[K, N]")
+    else:
+        weight = dims(_OP, "weight", weight, 3)
+        n = weight[1] if a["transpose_weight"] else weight[2]
+        expected, what = ([g, n, k], "[G, N, K] (transpose_weight)") if a["transpose_weight"] \
+            else ([g, k, n], "[G, K, N]")
+    check_shape(_OP, "weight", weight, expected, what)
     if bias is not None:
         check_shape(_OP, "bias", bias, [g, n], "[G, N]")
     return ([m, n],)
@@ -67,6 +74,14 @@ def group_sum(values, group_list, cumulative=False, padded=True):
     return sums.reshape(shape)
 
 
+def _sum_groups(grads):
+    """[G, ...] -> [...], the gradient of a weight every group shares (bfloat16 summed in
+    float32: MindSpore's CPU backend has no bfloat16 ReduceSum in GRAPH mode)."""
+    if grads.dtype == ms.bfloat16:
+        return grads.astype(ms.float32).sum(0).astype(ms.bfloat16)
+    return grads.sum(0)
+
+
 def _bprop(a):
     c, p = a["cumulative"], a["padded"]
 
@@ -81,6 +96,8 @@ def _bprop(a):
         else:  # out_g = x_g @ w[g]
             dx = grouped_matmul(dout, weight, groups, transpose_weight=True, cumulative=c, padded=p)
             dweight = grouped_matmul(x, dout, groups, transpose_x=True, cumulative=c, padded=p)
+        if weight.ndim == 2:  # every group's weight: the sum of the groups' gradients
+            dweight = _sum_groups(dweight)
         dbias = None if bias is None else group_sum(dout, groups, c, p)
         return dx, dweight, ops.zeros_like(groups), dbias
 
@@ -123,10 +140,10 @@ def _composed(a):
             return ops.stack([matmul(ops.where(member[:, g:g + 1], xf, zero),
                                      ops.where(member[:, g:g + 1], wf, zero))
                               for g in range(group_list.shape[0])]).astype(x.dtype)
-        y = ops.zeros((x.shape[0], wf.shape[1] if transpose_weight else wf.shape[2]),
+        y = ops.zeros((x.shape[0], wf.shape[-2] if transpose_weight else wf.shape[-1]),
                       dtype=ms.float32)
         for g in range(group_list.shape[0]):
-            y = ops.where(member[:, g:g + 1], matmul(xf, wf[g]), y)
+            y = ops.where(member[:, g:g + 1], matmul(xf, wf if wf.ndim == 2 else wf[g]), y)
         if bias is not None:
             y = y + ops.matmul(member.astype(ms.float32), bias.astype(ms.float32))
         return y.astype(x.dtype)
@@ -166,6 +183,8 @@ def _builtin(a):
             if padded:  # (a product: the padding rows the exchange makes are zeros)
                 x = x * covered.astype(x.dtype)
             return gmm_v2_op([view(x, 0, 1)], [weight], None, group_list, 2, list_type)[0]
+        if weight.ndim == 2:  # one group (_builtin_fits): its weight
+            weight = weight.reshape((1,) + weight.shape)
         if transpose_weight:
             weight = view(weight, 1, 2)
         if bias is not None:
@@ -184,6 +203,8 @@ def _builtin_fits(a, args, soc):
     list, every tensor's last dimension in storage < 65536 (transposed operands go as views of
     the tensors given here, so their storage's last dimension is these tensors' last)."""
     groups = args["group_list"].shape[0]
+    if len(args["weight"].shape) == 2 and not a["transpose_x"] and groups != 1:
+        return False, f"a weight for every group takes one group here, got {groups}"
     if groups > GMM_MAX_GROUPS:
         return False, f"at most {GMM_MAX_GROUPS} groups, got {groups}"
     too_long = [d for d in (args["x"].shape[-1], args["weight"].shape[-1]) if d >= GMM_MAX_DIM]
@@ -206,9 +227,12 @@ def _builtin_grad(a):
         if a["padded"]:
             every_row, covered = cover_every_row(groups, x.shape[0], c)
             dy = dout * covered.astype(dout.dtype)  # the padded rows' outputs are constant zeros
-        grads = gmm_v2_backward_op([dy], [x], [weight], every_row, list_type)  # (dx, dweight)
+        shared = weight.ndim == 2  # (one group: _builtin_fits)
+        w = weight.reshape((1,) + weight.shape) if shared else weight
+        grads = gmm_v2_backward_op([dy], [x], [w], every_row, list_type)  # (dx, dweight)
+        dweight = grads[1].reshape(weight.shape) if shared else grads[1]
         dbias = None if bias is None else group_sum(dout, groups, c, a["padded"])
-        return grads[0], grads[1], ops.zeros_like(groups), dbias
+        return grads[0], dweight, ops.zeros_like(groups), dbias
 
     return bprop
 
@@ -240,8 +264,10 @@ def grouped_matmul(x, weight, group_list, bias=None, transpose_x=False, transpos
 
     Args:
         x: [M, K] float32/float16/bfloat16, rows grouped (group 0's rows first).
-        weight: [G, K, N] (or [G, N, K] with transpose_weight), dtype of x. With transpose_x it is
-            the second row-grouped operand, [M, N].
+        weight: [G, K, N] (or [G, N, K] with transpose_weight), dtype of x; or one weight for
+            every group, [K, N] (or [N, K]): a dense layer's product over the grouped rows, its
+            weight read where it is (a reshape to [1, K, N] would copy it on every call in a
+            graph). With transpose_x it is the second row-grouped operand, [M, N].
         group_list: int64 [G] rows per group (each >= 0, sum <= M), or with cumulative=True the
             inclusive cumulative ends (non-decreasing, last <= M). A tensor, so GRAPH mode does
             not recompile when the counts change. Rows past the last group (a padded batch)
