@@ -2,6 +2,7 @@
 directory (converted on the fly) with a tokenizer.json built here, a character-level model
 with chars.json, and each error (one line naming the file, exit code 2)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -117,3 +118,18 @@ def test_command_line_exit_code(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_openmp_threads_sleep(monkeypatch):
+    """The command runs again with OMP_WAIT_POLICY=PASSIVE (libgomp reads it only when it loads,
+    and `import mindspore` has loaded it), unless the policy is set already."""
+    from ms_moe_ops import generate as command
+    calls = []
+    monkeypatch.setattr(command.os, "execv", lambda path, argv: calls.append((path, argv)))
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    command._sleeping_openmp()
+    assert calls == [(sys.executable, sys.orig_argv)]
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    command._sleeping_openmp()
+    assert len(calls) == 1 and os.environ["OMP_WAIT_POLICY"] == "active"
