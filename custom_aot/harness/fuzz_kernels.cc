@@ -439,7 +439,9 @@ void break_counts(Gen &g, Case &c, const std::string &name, int64_t m, bool cumu
 Case grouped_matmul(Gen &g) {
   Case c;
   c.kernel = "GroupedMatmul";
-  const int form = static_cast<int>(g.rng().integer(0, 2));  // plain, transpose_weight, transpose_x
+  // plain, transpose_weight, transpose_x; either rows form may have one 2-D weight for every group
+  const int form = static_cast<int>(g.rng().integer(0, 2));
+  const bool shared = form != 2 && g.chance(25);
   const int64_t groups = g.chance(5) ? 256 : g.size(1, 6);
   const int64_t tiny = groups > 8;
   const int64_t m = g.size(0, tiny ? 8 : 40), k = g.size(0, tiny ? 3 : 24), n = g.chance(15) ? k : g.size(0, tiny ? 3 : 24);
@@ -447,6 +449,7 @@ Case grouped_matmul(Gen &g) {
   const char *dt = g.pick(kFloats, 3);
   std::vector<int64_t> w_shape = form == 2 ? std::vector<int64_t>{m, n}
                                  : form == 1 ? std::vector<int64_t>{groups, n, k} : std::vector<int64_t>{groups, k, n};
+  if (shared) w_shape.erase(w_shape.begin());
   c.inputs = {{"x", g.floats(dt, {m, k})}, {"weight", g.floats(dt, w_shape)},
               {"group_list", counts_tensor(g.split(groups, m, padded), cumulative)},
               {"bias", form != 2 && g.chance(50) ? g.floats(dt, {groups, n}) : Tensor()}};
@@ -464,7 +467,24 @@ Case grouped_matmul(Gen &g) {
       c.broken = true;
       c.what = "both transposes";
       break;
-    default: break_argument(g, c, {"x", "weight", "group_list", "out"}); break;
+    default: {
+      // (with one weight for every group, the group count is free: group_list's shape stays)
+      if (shared)
+        break_argument(g, c, {"x", "weight", "out"});
+      else
+        break_argument(g, c, {"x", "weight", "group_list", "out"});
+      // a weight of another rank can be valid by chance: [G, K, N] without its last dimension
+      // as one 2-D weight, or one 2-D weight with a dimension of 1 added as [G, K, N]
+      std::vector<int64_t> one = form == 1 ? std::vector<int64_t>{n, k} : std::vector<int64_t>{k, n};
+      std::vector<int64_t> each = one;
+      each.insert(each.begin(), groups);
+      const auto &now = c.inputs[1].second.shape;
+      if (c.what == "rank of weight" && form != 2 && (now == one || now == each)) {
+        c.broken = false;
+        c.what.clear();
+      }
+      break;
+    }
   }
   return c;
 }
