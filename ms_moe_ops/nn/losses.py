@@ -77,8 +77,16 @@ def balance_probs(scores, score_func):
 
 # The losses hold for any number of tokens T, also T = 0 and T known only at run time (GRAPH mode
 # with set_inputs): T enters as a tensor (no branch on it, no Python arithmetic on a run-time
-# value), and no sum over the tokens goes straight to a scalar (MindSpore's CPU backend returns
-# garbage for such a sum over zero tokens): the sums keep the expert axis.
+# value), and every sum over the tokens goes through _sum_tokens.
+
+
+def _sum_tokens(x, axis=0):
+    """x summed over its token axis, never an empty sum: MindSpore's CPU kernels skip a reduction
+    whose input is empty and leave its output as the memory pool had it (NaN after some earlier
+    graphs), so a zero slice is appended first; it adds nothing to the sum."""
+    pad = list(x.shape)
+    pad[axis] = 1
+    return ops.concat((x, ops.zeros(tuple(pad), x.dtype)), axis).sum(axis=axis)
 
 def _tokens(probs):
     """T as a float32 tensor, at least 1 (the losses are 0 for T = 0)."""
@@ -91,7 +99,7 @@ def switch_aux_loss(probs, counts):
     Megatron's switch loss is this divided by K (1 when uniform): with Megatron's coefficients,
     divide them by K. probs [T, E], counts [E] float32; 0 for T = 0."""
     t = _tokens(probs)
-    return (counts * probs.sum(axis=0)).sum() * probs.shape[1] / (t * t)
+    return (counts * _sum_tokens(probs)).sum() * probs.shape[1] / (t * t)
 
 
 def sequence_aux_loss(probs, expert_idx, num_sequences):
@@ -106,12 +114,12 @@ def sequence_aux_loss(probs, expert_idx, num_sequences):
     flat = slots + ops.arange(num_sequences, dtype=slots.dtype).reshape(-1, 1) * num_experts
     counts = count(flat, num_sequences * num_experts).astype(ms.float32).reshape(num_sequences,
                                                                                 num_experts)
-    p_sum = probs.reshape(num_sequences, -1, num_experts).sum(axis=1)
+    p_sum = _sum_tokens(probs.reshape(num_sequences, -1, num_experts), axis=1)
     s = _tokens(probs) / num_sequences
     return (ops.stop_gradient(counts) * p_sum).sum() * num_experts / (k * s * s * num_sequences)
 
 
 def router_z_loss(logits):
     """ST-MoE router z-loss: `mean_t logsumexp(logits_t)^2`; 0 for T = 0."""
-    lse = ops.logsumexp(logits, -1).reshape(-1, 1)
-    return (lse * lse).sum(axis=0).reshape(()) / _tokens(logits)
+    lse = ops.logsumexp(logits, -1)
+    return _sum_tokens(lse * lse) / _tokens(logits)
