@@ -124,6 +124,41 @@ def test_padded_experts_keep_zero_rows(rng):
     assert expected.shape == (16, H)
 
 
+@pytest.mark.parametrize("quant_mode", ["int8", "w8a16"])
+@pytest.mark.parametrize("counts", [(0, 1, 0, 0), (0, 2, 0, 1), (1, 0, 1, 0), (0, 0, 0, 3),
+                                    (0, 0, 0, 0)])
+def test_few_rows_dequantise_only_their_experts(quant_mode, counts, mode, rng):
+    """Fewer rows than experts (a decoding step): only the experts with rows are gathered and
+    dequantised; the output is the golden model's, as with many rows."""
+    layer = ms_moe_ops.quantize(_layer(), quant_mode, calibration=[_x(rng)])
+    x, counts = _rows(rng, counts)
+    y = run(layer.experts, Tensor(x), Tensor(counts), mode=mode).asnumpy()
+    assert y.shape == x.shape
+    np.testing.assert_allclose(y, _golden(layer.experts, x, counts), rtol=1e-5, atol=1e-5)
+
+
+def test_few_padded_rows_stay_zero(rng):
+    layer = _layer(capacity_factor=1.0)
+    ms_moe_ops.quantize(layer, "w8a16")
+    x, counts = _rows(rng, (0, 1, 0, 0))
+    padded = np.concatenate([x, np.full((2, H), 50, np.float32)])
+    y = layer.experts(Tensor(padded), Tensor(counts)).asnumpy()
+    assert not y[1:].any()
+    np.testing.assert_allclose(y[:1], _golden(layer.experts, x, counts), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels("the kernels check the counts")
+@pytest.mark.parametrize("counts", [(1, 1, 1, 0), (1, -1, 1, 0), (0, 0, 0, 3)],
+                         ids=["more experts than rows", "a negative count", "more rows"])
+def test_few_rows_reject_bad_counts(counts, rng):
+    """Counts that do not fit the rows are rejected with few rows as with many (the gathered
+    experts' counts keep the sum and a negative count)."""
+    layer = ms_moe_ops.quantize(_layer(), "w8a16")
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="does not fit 2 rows|is negative"):
+        layer.experts(Tensor(x), Tensor(np.array(counts, np.int64))).asnumpy()
+
+
 # -- memory ----------------------------------------------------------------------------------
 
 def _bytes(cell):

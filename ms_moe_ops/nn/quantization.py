@@ -13,16 +13,18 @@ Two modes, both per expert and output channel for the weights (symmetric, step m
   Ascend's GroupedMatmul antiquant serves); no calibration.
 
 The int8 weights are Parameters (4x smaller than float32); each call dequantises them
-(`w_q * deq`, deq [E, N]), then runs a float product. For W8A8, `deq = x_step * w_step` is the
+(`w_q * deq`, deq [E, N]), then runs a float product. A call with fewer rows than experts (a
+decoding step) dequantises only the experts that have rows. For W8A8, `deq = x_step * w_step` is the
 seed's dequant scale, and `x_q @ (w_q * deq) = (x_q @ w_q) * deq` (the per-column and per-tensor
 steps factor out of the sum), so the composition computes the int32 product's value, rounded to
 float32. The router, the shared experts, attention and everything else stay float.
 """
 import numpy as np
 import mindspore as ms
-from mindspore import Parameter, Tensor
+from mindspore import Parameter, Tensor, ops
 
 from .. import ops as moe_ops
+from ..ops._indexing import take_rows
 from ..ops.ffn import ACTIVATIONS as FUSED_ACTIVATIONS
 from ._precision import SelfCastingCell, register_opaque_to_rewrite
 from .ffn import EXPERT_KINDS, MoeFFN
@@ -43,6 +45,31 @@ def per_channel_int8(w):
     step = step.astype(np.float32)
     q = np.clip(np.rint(w / step[:, None, :]), -127, 127).astype(np.int8)
     return q, step
+
+
+def _experts_with_rows(counts, rows):
+    """(int32 [n] experts, int64 [n] counts), n = max(rows, 1): the first n experts with rows
+    (counts > 0) in expert order, then experts without. Valid counts (adding up to at most
+    `rows`) have at most n experts with rows, and these are theirs; the last count also carries
+    every other expert's (0 for valid counts), and a negative count replaces it, so that the
+    product rejects invalid counts here as it rejects them whole."""
+    n = max(rows, 1)
+    ids = ops.arange(counts.shape[0], dtype=ms.int32)
+    key = ops.where(counts > 0, ids, ids + counts.shape[0])  # distinct: the sort is exact
+    _, order = ops.sort(key)
+    pick = order[:n]
+    kept = take_rows(counts, pick)
+    last = counts.sum() - kept[:n - 1].sum() if n > 1 else counts.sum()
+    last = ops.where(counts.min() < 0, counts.min(), last)
+    return pick, ops.concat((kept[:n - 1], last.reshape(1).astype(kept.dtype)))
+
+
+def _dequantize(weight, step):
+    """int8 [G, K, N] * float32 step [G, N] -> float32 [G, K, N]. The step is tiled to the
+    weight's shape first: MindSpore's CPU Mul broadcasting [G, 1, N] runs at a third of its
+    speed on equal shapes."""
+    g, k, n = weight.shape
+    return weight.astype(ms.float32) * ops.tile(step.reshape(g, 1, n), (1, k, 1))
 
 
 def _param(value, dtype, name):
@@ -75,13 +102,22 @@ class _QuantExperts(SelfCastingCell):
         self.bias2 = _param(_numpy(experts.bias2), np.float32, "bias2")
         self.compute_dtype = experts.compute_dtype
 
-    def dequantized(self, dtype):
-        """(weight1, bias1, weight2, bias2) in dtype: w_q * deq per call."""
-        w1 = self.weight1.astype(ms.float32) * self.deq_scale1.expand_dims(1)
-        w2 = self.weight2.astype(ms.float32) * self.deq_scale2.expand_dims(1)
-        b1 = None if self.bias1 is None else moe_ops.cast(self.bias1, dtype)
-        b2 = None if self.bias2 is None else moe_ops.cast(self.bias2, dtype)
-        return moe_ops.cast(w1, dtype), b1, moe_ops.cast(w2, dtype), b2
+    def dequantized(self, dtype, counts, rows):
+        """(counts, weight1, bias1, weight2, bias2) in dtype, w_q * deq per call. With fewer
+        rows than experts (decoding: a few tokens), only the experts that have rows (at most
+        `rows`, a static number) are gathered and dequantised, in expert order: the same groups
+        of rows against the same weights, the empty groups left out (_experts_with_rows)."""
+        w1, w2, s1, s2, b1, b2 = (self.weight1, self.weight2, self.deq_scale1, self.deq_scale2,
+                                  self.bias1, self.bias2)
+        if rows < self.num_experts:
+            pick, counts = _experts_with_rows(counts, rows)
+            w1, w2, s1, s2 = (take_rows(t, pick) for t in (w1, w2, s1, s2))
+            b1 = None if b1 is None else take_rows(b1, pick)
+            b2 = None if b2 is None else take_rows(b2, pick)
+        w1, w2 = _dequantize(w1, s1), _dequantize(w2, s2)
+        b1 = None if b1 is None else moe_ops.cast(b1, dtype)
+        b2 = None if b2 is None else moe_ops.cast(b2, dtype)
+        return counts, moe_ops.cast(w1, dtype), b1, moe_ops.cast(w2, dtype), b2
 
     def inference_only(self):
         if self.training:
@@ -111,8 +147,8 @@ class W8A16Experts(_QuantExperts):
     def construct(self, x, expert_tokens):
         self.inference_only()
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
-        w1, b1, w2, b2 = self.dequantized(dtype)
-        return self._forward(moe_ops.cast(x, dtype), expert_tokens, w1, b1, w2, b2,
+        counts, w1, b1, w2, b2 = self.dequantized(dtype, expert_tokens, x.shape[0])
+        return self._forward(moe_ops.cast(x, dtype), counts, w1, b1, w2, b2,
                              self.activation, self.clamp_limit, self.padded)
 
 
@@ -141,12 +177,12 @@ class Int8Experts(_QuantExperts):
     def construct(self, x, expert_tokens):
         self.inference_only()
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
-        w1, b1, w2, b2 = self.dequantized(dtype)
+        counts, w1, b1, w2, b2 = self.dequantized(dtype, expert_tokens, x.shape[0])
         x_q = moe_ops.cast(_to_int8(moe_ops.cast(x, ms.float32), self.x_step), dtype)
-        h = moe_ops.grouped_matmul(x_q, w1, expert_tokens, b1, padded=self.padded)
-        a = moe_ops.swiglu_group(h, None, expert_tokens, clamp_limit=self.clamp_limit)
+        h = moe_ops.grouped_matmul(x_q, w1, counts, b1, padded=self.padded)
+        a = moe_ops.swiglu_group(h, None, counts, clamp_limit=self.clamp_limit)
         a_q = moe_ops.cast(_to_int8(moe_ops.cast(a, ms.float32), self.a_step), dtype)
-        return moe_ops.grouped_matmul(a_q, w2, expert_tokens, b2, padded=self.padded)
+        return moe_ops.grouped_matmul(a_q, w2, counts, b2, padded=self.padded)
 
 
 register_opaque_to_rewrite(Int8Experts, W8A16Experts)
