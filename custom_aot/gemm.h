@@ -51,7 +51,7 @@ inline float skinny_out(float sum, float beta, const float *c) {
 }
 
 #if defined(__AVX512F__)
-// AVX-512: blocks of I rows of a by J rows of b (trans_b) or by 64 columns of b, I * J
+// AVX-512: blocks of I rows of a by J rows of b (trans_b) or by up to 1024 columns of b, I * J
 // accumulators in registers, so each load of a or b feeds several FMAs.
 template <int I, int J>
 inline void skinny_dots(int64_t k, const float *a, int64_t lda, const float *b, int64_t ldb,
@@ -73,27 +73,49 @@ inline void skinny_dots(int64_t k, const float *a, int64_t lda, const float *b, 
       c[i * ldc + j] = skinny_out(_mm512_reduce_add_ps(acc[i][j]), beta, c + i * ldc + j);
 }
 
+// b [k, n] row by row: each row's block of up to kAxpyCols columns is one contiguous run, and a
+// whole row makes b one sequential stream (a narrower block reads a few cache lines per row at
+// the stride of a row, which the prefetchers do not follow across pages: half the bandwidth);
+// the I x w sums stay in L1.
 template <int I>
 inline void skinny_axpys(int64_t k, int64_t w, const float *a, int64_t lda, const float *b,
                          int64_t ldb, float beta, float *c, int64_t ldc) {
-  constexpr int V = 4;  // 64 columns
+  constexpr int V = 64;  // 1024 columns (I x 4 KB of sums)
+  const int vs = (int)((w + 15) / 16);
   __m512 acc[I][V];
   __mmask16 keep[V];
-  for (int v = 0; v < V; ++v) {
-    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, w - 16 * v));
+  for (int v = 0; v < vs; ++v) {
+    const int64_t left = std::min<int64_t>(16, w - 16 * v);
     keep[v] = (__mmask16)((1u << left) - 1);
     for (int i = 0; i < I; ++i) acc[i][v] = _mm512_setzero_ps();
   }
-  for (int64_t p = 0; p < k; ++p) {
-    __m512 bp[V];
-    for (int v = 0; v < V; ++v) bp[v] = _mm512_maskz_loadu_ps(keep[v], b + p * ldb + 16 * v);
-    for (int i = 0; i < I; ++i) {
-      const __m512 x = _mm512_set1_ps(a[i * lda + p]);
-      for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(x, bp[v], acc[i][v]);
+  int64_t p = 0;
+  for (; p + 4 <= k; p += 4) {  // four rows of b per pass over the sums (the same order of FMAs)
+    const float *bp = b + p * ldb;
+    __m512 x[I][4];
+    for (int i = 0; i < I; ++i)
+      for (int q = 0; q < 4; ++q) x[i][q] = _mm512_set1_ps(a[i * lda + p + q]);
+    for (int v = 0; v < vs; ++v) {
+      __m512 bv[4];
+      for (int q = 0; q < 4; ++q) bv[q] = _mm512_maskz_loadu_ps(keep[v], bp + q * ldb + 16 * v);
+      for (int i = 0; i < I; ++i) {
+        __m512 sum = acc[i][v];
+        for (int q = 0; q < 4; ++q) sum = _mm512_fmadd_ps(x[i][q], bv[q], sum);
+        acc[i][v] = sum;
+      }
+    }
+  }
+  for (; p < k; ++p) {
+    const float *bp = b + p * ldb;
+    __m512 x[I];
+    for (int i = 0; i < I; ++i) x[i] = _mm512_set1_ps(a[i * lda + p]);
+    for (int v = 0; v < vs; ++v) {
+      const __m512 bv = _mm512_maskz_loadu_ps(keep[v], bp + 16 * v);
+      for (int i = 0; i < I; ++i) acc[i][v] = _mm512_fmadd_ps(x[i], bv, acc[i][v]);
     }
   }
   for (int i = 0; i < I; ++i)
-    for (int v = 0; v < V; ++v) {
+    for (int v = 0; v < vs; ++v) {
       float *ci = c + i * ldc + 16 * v;
       __m512 out = acc[i][v];
       if (beta != 0.f)
@@ -101,7 +123,7 @@ inline void skinny_axpys(int64_t k, int64_t w, const float *a, int64_t lda, cons
       _mm512_mask_storeu_ps(ci, keep[v], out);
     }
 }
-constexpr int64_t kAxpyCols = 64;
+constexpr int64_t kAxpyCols = 1024;
 #else
 // Elsewhere: the same blocks in plain loops (vectorised by the compiler), one row of a at a time.
 template <int I, int J>
@@ -254,17 +276,23 @@ inline int64_t tile_rows(int64_t total) {
 }
 
 // Columns per tile: every column, unless there are too few rows to share out.
-inline int64_t tile_cols(int64_t total_rows, int64_t n) {
+inline int64_t tile_cols(int64_t total_rows, int64_t n, int64_t groups_with_rows) {
   if (total_rows >= 256 || n <= 128) return n;
-  // a few rows (decoding): 16 slices of b's columns for the threads to share
-  if (total_rows <= kSkinnyRows) return std::max<int64_t>(64, (n / 16 + 15) / 16 * 16);
+  // a few rows (decoding): whole rows of b (one sequential stream) once 4 groups have rows
+  // for the threads to share, else 4 tiles at least 256 columns wide
+  if (total_rows <= kSkinnyRows) {
+    const int64_t slices = std::max<int64_t>(1, 4 / std::max<int64_t>(1, groups_with_rows));
+    return std::max<int64_t>(256, ((n + slices - 1) / slices + 15) / 16 * 16);
+  }
   return std::max<int64_t>(64, (n / 4 + 15) / 16 * 16);
 }
 
 // Tiles covering rows [off[g], off[g + 1]) x [0, n) of every group g (empty groups: none).
 inline std::vector<Tile> row_tiles(const std::vector<int64_t> &off, int64_t n) {
   const int64_t groups = (int64_t)off.size() - 1, total = off[groups] - off[0];
-  const int64_t rows = tile_rows(total), cols = tile_cols(total, n);
+  int64_t with_rows = 0;
+  for (int64_t g = 0; g < groups; ++g) with_rows += off[g + 1] > off[g];
+  const int64_t rows = tile_rows(total), cols = tile_cols(total, n, with_rows);
   std::vector<Tile> tiles;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t r0 = off[g]; r0 < off[g + 1]; r0 += rows)

@@ -73,7 +73,7 @@ def test_column_tiles(transpose_weight, rows, n, dtype, rng):
 @pytest.mark.parametrize("transpose_weight", [False, True], ids=["plain", "transpose_weight"])
 def test_few_rows(transpose_weight, rows, rng):
     """Up to 16 rows a float32 product is the kernels' own matrix-vector path (custom_aot/gemm.h,
-    decoding's shapes): blocks of 4 rows and of 4 weight rows or 64 columns with masked tails, so
+    decoding's shapes): blocks of 4 rows and of 4 weight rows or 1024 columns with masked tails, so
     odd K and N and every row count up to 17 (the BLAS again) against float64; a bias and a
     second group (padding rows at the end) included."""
     k, n = 37, 133
@@ -83,6 +83,23 @@ def test_few_rows(transpose_weight, rows, rng):
     y = grouped_matmul(tensor(x, "float32"), tensor(stored, "float32"), tensor(gl),
                        tensor(b, "float32"), transpose_weight=transpose_weight)
     assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), rtol=1e-5)
+
+
+@pytest.mark.parametrize("counts", [(2,), (1, 0, 2), (1, 1, 0, 2, 1, 3)],
+                         ids=["one group", "two groups", "five groups"])
+@pytest.mark.parametrize("transpose_weight", [False, True], ids=["plain", "transpose_weight"])
+def test_few_rows_wide(transpose_weight, counts, rng):
+    """The few-rows path on wide weights: N past one block of columns (1024) with a masked tail,
+    K not a multiple of the 4 weight rows taken per pass, and 1, 2 or 5 groups with rows (the
+    kernel cuts the columns into 4 tiles below 4 such groups, else gives each group whole
+    rows)."""
+    k, n = 38, 1024 + 133
+    x, w, b, _, gl = _case(rng, m=sum(counts) + 1, k=k, n=n, counts=counts)
+    stored = w.transpose(0, 2, 1).copy() if transpose_weight else w
+    args = (tensor(x, "float32"), tensor(stored, "float32"), tensor(gl), tensor(b, "float32"))
+    y = numpy(grouped_matmul(*args, transpose_weight=transpose_weight))
+    assert_close(y, reference.grouped_matmul(x, w, gl, b), rtol=1e-5)
+    assert not y[-1].any()  # the padding row
 
 
 def test_cumulative_group_list(rng):
