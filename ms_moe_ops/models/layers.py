@@ -153,11 +153,29 @@ def write_cache(buffer, new, slot):
 
 
 def attend(q, k, v, mask, scaling):
-    """softmax(q k^T * scaling + mask) v over [B, heads, S, d]."""
-    scores = ops.matmul(q, k.swapaxes(-1, -2)) * scaling + mask
+    """softmax(q k^T * scaling + mask) v over q [B, heads, S, d], mask [S, L] or [B, 1, S, L].
+    k and v [B, kv_heads, L, d] may have fewer heads (grouped-query attention: each serves
+    heads / kv_heads consecutive query heads). They are read as they are: a key head's query
+    heads are stacked as the rows of one product (copying the keys and values per query head
+    would copy the whole cache at every decoding step)."""
+    b, heads, s, d = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    if groups > 1:
+        q = q.reshape(b, kv_heads, groups * s, d)
+    scores = ops.matmul(q, k.swapaxes(-1, -2)) * scaling
+    if groups > 1:  # each query head's rows take the mask of its positions
+        length = scores.shape[-1]
+        scores = (scores.reshape(b, kv_heads, groups, s, length)
+                  + (mask.expand_dims(2) if mask.ndim == 4 else mask))
+        scores = scores.reshape(b, kv_heads, groups * s, length)
+    else:
+        scores = scores + mask
     if scores.dtype == ms.float32:
-        return ops.matmul(ops.softmax(scores, -1), v)
-    return ops.matmul(ops.softmax(scores.astype(ms.float32), -1).astype(v.dtype), v)
+        out = ops.matmul(ops.softmax(scores, -1), v)
+    else:
+        out = ops.matmul(ops.softmax(scores.astype(ms.float32), -1).astype(v.dtype), v)
+    return out.reshape(b, heads, s, v.shape[-1]) if groups > 1 else out
 
 
 class GQAttention(nn.Cell):
@@ -177,7 +195,6 @@ class GQAttention(nn.Cell):
             self.q_norm = RMSNorm(a.head_dim, a.norm_eps)
             self.k_norm = RMSNorm(a.head_dim, a.norm_eps)
         self.qk_norm = a.qk_norm
-        self.groups = a.num_heads // a.num_kv_heads
         self.head_dim = a.head_dim
         self.scaling = float(a.scaling)
 
@@ -194,9 +211,6 @@ class GQAttention(nn.Cell):
         if cache is not None:
             k, v = write_cache(cache[0], k, slot), write_cache(cache[1], v, slot)
             cache = (k, v)
-        if self.groups > 1:  # each key/value head serves `groups` consecutive query heads
-            k = ops.repeat_interleave(k, self.groups, 1)
-            v = ops.repeat_interleave(v, self.groups, 1)
         out = self.o_proj(attend(q, k, v, mask, self.scaling).swapaxes(1, 2).reshape(b, s, -1))
         if cache is None:
             return out

@@ -86,7 +86,7 @@ def _sum_tokens(x, axis=0):
     graphs), so a zero slice is appended first; it adds nothing to the sum."""
     pad = list(x.shape)
     pad[axis] = 1
-    return ops.concat((x, ops.zeros(tuple(pad), x.dtype)), axis).sum(axis=axis)
+    return ops.concat((x, ops.zeros(tuple(pad), dtype=x.dtype)), axis).sum(axis=axis)
 
 def _tokens(probs):
     """T as a float32 tensor, at least 1 (the losses are 0 for T = 0)."""
