@@ -159,6 +159,33 @@ def test_few_rows_reject_bad_counts(counts, rng):
         layer.experts(Tensor(x), Tensor(np.array(counts, np.int64))).asnumpy()
 
 
+def test_rows_known_at_run_time(rng):
+    """GRAPH mode with the row count a run-time dimension (set_inputs): the whole weights, for
+    few rows and many."""
+    layer = ms_moe_ops.quantize(_layer(), "w8a16")
+    layer.set_train(False)
+    experts = layer.experts
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        experts.set_inputs(Tensor(shape=[None, H], dtype=ms.float32),
+                           Tensor(shape=[E], dtype=ms.int64))
+        for counts in ((0, 1, 0, 0), (1, 2, 3, 4)):
+            x, counts = _rows(rng, counts)
+            y = experts(Tensor(x), Tensor(counts)).asnumpy()
+            np.testing.assert_allclose(y, _golden(experts, x, counts), rtol=1e-5, atol=1e-5)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+@needs_kernels("the kernels check the counts against the weights")
+def test_few_rows_reject_counts_of_another_length(rng):
+    layer = ms_moe_ops.quantize(_layer(), "w8a16")
+    x = Tensor(rng.standard_normal((1, H)).astype(np.float32))
+    for counts in ([0, 1], [0, 0, 1, 0, 0, 0]):
+        with pytest.raises((RuntimeError, ValueError), match="weight"):
+            layer.experts(x, Tensor(np.array(counts, np.int64))).asnumpy()
+
+
 # -- memory ----------------------------------------------------------------------------------
 
 def _bytes(cell):

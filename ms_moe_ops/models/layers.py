@@ -153,11 +153,11 @@ def write_cache(buffer, new, slot):
 
 
 def attend(q, k, v, mask, scaling):
-    """softmax(q k^T * scaling + mask) v over q [B, heads, S, d], mask [S, L] or [B, 1, S, L].
-    k and v [B, kv_heads, L, d] may have fewer heads (grouped-query attention: each serves
-    heads / kv_heads consecutive query heads). They are read as they are: a key head's query
-    heads are stacked as the rows of one product (copying the keys and values per query head
-    would copy the whole cache at every decoding step)."""
+    """softmax(q k^T * scaling + mask) v over q [B, heads, S, d], mask [S, L], [B, 1, S, L] or
+    [B, heads, S, L]. k and v [B, kv_heads, L, d] may have fewer heads (grouped-query
+    attention: each serves heads / kv_heads consecutive query heads). They are read as they
+    are: a key head's query heads are stacked as the rows of one product (copying the keys and
+    values per query head would copy the whole cache at every decoding step)."""
     b, heads, s, d = q.shape
     kv_heads = k.shape[1]
     groups = heads // kv_heads
@@ -166,8 +166,10 @@ def attend(q, k, v, mask, scaling):
     scores = ops.matmul(q, k.swapaxes(-1, -2)) * scaling
     if groups > 1:  # each query head's rows take the mask of its positions
         length = scores.shape[-1]
-        scores = (scores.reshape(b, kv_heads, groups, s, length)
-                  + (mask.expand_dims(2) if mask.ndim == 4 else mask))
+        if mask.ndim == 4:  # [B, 1 or heads, S, L] -> [B, 1 or kv_heads, 1 or groups, S, L]
+            mask = (mask.expand_dims(2) if mask.shape[1] == 1 else
+                    mask.reshape(mask.shape[0], kv_heads, groups, s, mask.shape[-1]))
+        scores = scores.reshape(b, kv_heads, groups, s, length) + mask
         scores = scores.reshape(b, kv_heads, groups * s, length)
     else:
         scores = scores + mask

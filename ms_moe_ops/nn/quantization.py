@@ -22,6 +22,7 @@ float32. The router, the shared experts, attention and everything else stay floa
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, ops
+from mindspore.ops import functional as F
 
 from .. import ops as moe_ops
 from ..ops._indexing import take_rows
@@ -109,7 +110,9 @@ class _QuantExperts(SelfCastingCell):
         of rows against the same weights, the empty groups left out (_experts_with_rows)."""
         w1, w2, s1, s2, b1, b2 = (self.weight1, self.weight2, self.deq_scale1, self.deq_scale2,
                                   self.bias1, self.bias2)
-        if rows < self.num_experts:
+        # (only with rows known when the graph compiles, and counts of every expert: otherwise
+        # the whole weights, which the products check against the counts)
+        if F.isconstant(rows) and rows < self.num_experts and counts.shape[0] == self.num_experts:
             pick, counts = _experts_with_rows(counts, rows)
             w1, w2, s1, s2 = (take_rows(t, pick) for t in (w1, w2, s1, s2))
             b1 = None if b1 is None else take_rows(b1, pick)
