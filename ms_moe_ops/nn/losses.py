@@ -88,6 +88,7 @@ def _sum_tokens(x, axis=0):
     pad[axis] = 1
     return ops.concat((x, ops.zeros(tuple(pad), dtype=x.dtype)), axis).sum(axis=axis)
 
+
 def _tokens(probs):
     """T as a float32 tensor, at least 1 (the losses are 0 for T = 0)."""
     return ops.maximum(ops.scalar_to_tensor(probs.shape[0], ms.float32), 1.0)

@@ -13,9 +13,9 @@ Two modes, both per expert and output channel for the weights (symmetric, step m
   Ascend's GroupedMatmul antiquant serves); no calibration.
 
 The int8 weights are Parameters (4x smaller than float32); each call dequantises them
-(`w_q * deq`, deq [E, N]), then runs a float product. A call with fewer rows than experts (a
-decoding step) dequantises only the experts that have rows. For W8A8, `deq = x_step * w_step` is the
-seed's dequant scale, and `x_q @ (w_q * deq) = (x_q @ w_q) * deq` (the per-column and per-tensor
+(`w_q * deq`, deq [E, N]), then runs a float product; a call with fewer rows than experts (a
+decoding step) dequantises only the experts that have rows. For W8A8, `deq = x_step * w_step`
+is the seed's dequant scale, and `x_q @ (w_q * deq) = (x_q @ w_q) * deq` (the per-column and per-tensor
 steps factor out of the sum), so the composition computes the int32 product's value, rounded to
 float32. The router, the shared experts, attention and everything else stay float.
 """
