@@ -52,6 +52,12 @@ inline namespace MOE_ISA_NS {
 
 using Extra = mindspore::AotExtra;
 
+// A parallel region wakes the OpenMP threads, which sleep between kernels (OMP_WAIT_POLICY=
+// PASSIVE: MindSpore's own threads need the cores): some 70 microseconds, ten times what a
+// decoding step's small kernels take on one thread. Work touching fewer bytes stays on it.
+constexpr int64_t kParallelBytes = 256 << 10;
+inline bool worth_threads(int64_t bytes) { return bytes >= kParallelBytes; }
+
 // ---------------------------------------------------------------------------------------------
 // Element types: 16-bit patterns converted to and from float32 with round-to-nearest-even (NaN
 // stays a quiet NaN). float16 uses the hardware where the path has it (F16C, aarch64's FCVT),

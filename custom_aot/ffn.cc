@@ -117,7 +117,7 @@ int moe_ffn_float(const Args &args, Extra *extra) {
 // grad_h = grad_a * act'(h) and a = act(h), elementwise in one pass.
 template <typename T, typename Fn>
 void act_grad_loop(const T *hs, const T *gas, T *ghs, T *as, int64_t n, Fn fn) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(4 * n * (int64_t)sizeof(T)))
   for (int64_t i = 0; i < n; ++i) {
     float a, d;
     fn(to_f32(hs[i]), a, d);

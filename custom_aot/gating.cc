@@ -10,6 +10,8 @@ inline namespace MOE_ISA_NS {
 namespace {
 
 constexpr int64_t kMaxExperts = 2048;
+// a score's activation and selection take about as long as streaming 32 bytes (worth_threads)
+constexpr int64_t kScoreBytes = 32;
 
 // Total order on float32 that sorts like the numbers (with -0 == +0) and puts every NaN, whatever
 // its sign and payload, above +inf (as torch.topk does), so selection stays well defined (and in
@@ -216,7 +218,7 @@ int gating_backward(const char *op, const Arg &xn, const Arg &gy, const Arg &ei,
                      const Arg &gx, bool softmax, bool renorm, float scale, float eps) {
   const int64_t m = xn.dim(0), n = xn.dim(1), k = gy.dim(1);
   if (int rc = check_index_rows(op, ei.as<int32_t>(), m, k, n)) return rc;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(kScoreBytes * m * n))
   for (int64_t i = 0; i < m; ++i) {
     const float *xr = xn.as<float>() + i * n;
     const float *dr = gxn.present() ? gxn.as<float>() + i * n : nullptr;
@@ -279,7 +281,7 @@ MOE_KERNEL(MoeGatingTopK)(int nparam, void **params, int *ndims, int64_t **shape
   const int64_t m = x.dim(0), n = x.dim(1);
   return dispatch_float("moe_gating_top_k", x.dtype, [&](auto tag) {
     using T = decltype(tag);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(kScoreBytes * m * n))
     for (int64_t i = 0; i < m; ++i)
       route_row<T>(x.as<T>() + i * n, bias.present() ? bias.as<T>() : nullptr, a, (int)n,
                    y.as<T>() + i * a.k, idx.as<int32_t>() + i * a.k, xn.as<float>() + i * n);

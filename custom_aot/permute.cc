@@ -46,7 +46,7 @@ int check_permutation(const char *op, const int32_t *index, int64_t n) {
 template <typename T, typename P>
 void unpermute(const T *permuted, const int32_t *index, const P *probs, int64_t tokens, int64_t k,
                int64_t h, T *out) {
-#pragma omp parallel
+#pragma omp parallel if (worth_threads(tokens * k * h * (int64_t)sizeof(T)))
   {
     std::vector<float> acc(h);
 #pragma omp for schedule(static)
@@ -68,7 +68,7 @@ void unpermute(const T *permuted, const int32_t *index, const P *probs, int64_t 
 template <typename T, typename P>
 void unpermute_backward(const T *permuted, const int32_t *index, const P *probs, const T *dout,
                         int64_t tokens, int64_t k, int64_t h, T *d_permuted, P *d_probs) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(2 * tokens * k * h * (int64_t)sizeof(T)))
   for (int64_t t = 0; t < tokens; ++t) {
     const T *g = dout + t * h;
     for (int64_t s = 0; s < k; ++s) {
@@ -217,7 +217,7 @@ MOE_KERNEL(MoeTokenPermute)(int nparam, void **params, int *ndims, int64_t **sha
   const char *src = x.as<char>();
   char *out = permuted.as<char>();
   if (row_bytes == 0) return 0;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(n * row_bytes))
   for (int64_t i = 0; i < n; ++i) std::memcpy(out + dest[i] * row_bytes, src + (i / k) * row_bytes, row_bytes);
   return 0;
 }

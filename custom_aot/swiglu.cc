@@ -283,7 +283,7 @@ int swiglu_forward(const Args &args, Extra *extra) {
   const float *w = weight.present() ? weight.as<float>() : nullptr;
   const int64_t h = l.h;
   const bool stream = 2 * l.rows * h * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(3 * l.rows * h * (int64_t)sizeof(T)))
   for (int64_t t = 0; t < l.rows; ++t) {
     T *yr = y.as<T>() + t * h, *yo = y_origin.as<T>() + t * h;
     if (t >= trunc) {
@@ -315,7 +315,7 @@ int swiglu_backward(const Args &args, Extra *extra) {
   const bool clamp = c > 0.f, weighted = weight.present();
   float *gw = grad_weight.present() ? grad_weight.as<float>() : nullptr;
   const bool stream = 2 * l.rows * h * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (worth_threads(6 * l.rows * h * (int64_t)sizeof(T)))
   for (int64_t t = 0; t < l.rows; ++t) {
     T *gx = grad_x.as<T>() + t * 2 * h;
     float gwt = 0.f;

@@ -77,6 +77,25 @@ def test_greedy_tokens_match_transformers(family, mode, tmp_path_factory):
     np.testing.assert_array_equal(alone, their_tokens(model, ids[:1], mask[:1]))
 
 
+def test_graph_step_reused_across_shapes(tmp_path_factory):
+    """GRAPH mode: within a call, every decoding step after the first runs its graph without
+    compiling (the Cell's "increment" phase); a step reused by a call of another batch or
+    length must not run the previous call's graph. Three prompts, then the first alone, then
+    it with more new tokens (a longer cache), all through one DecodeStep: transformers'
+    tokens each time, and the step left in its own phase."""
+    model, net = converted("qwen3_moe", tmp_path_factory)
+    rng = np.random.default_rng(11)
+    ids, mask = left_padded(rng, model.config.vocab_size, (PROMPT, 3, 5), PROMPT)
+    eos = model.config.eos_token_id
+    set_mode("graph")
+    step = DecodeStep(net)
+    phase = step.phase
+    for rows, new in ((3, NEW), (1, NEW), (1, NEW + 3)):
+        ours = generate(net, ids[:rows], new, eos, attention_mask=mask[:rows], step=step)
+        np.testing.assert_array_equal(ours, their_tokens(model, ids[:rows], mask[:rows], new))
+        assert step.phase == phase and "increment" not in step.phase_cache
+
+
 class Recorder:
     """A DecodeStep that keeps the logits of every call."""
 

@@ -2,6 +2,8 @@
 left-padded, with an attention mask) on `DecodeStep`, the model's forward over a chunk of
 tokens that reads and writes static-shape cache buffers, so that in GRAPH mode the prompt is
 compiled once and every later token reuses one compiled decode step."""
+import contextlib
+
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
@@ -11,6 +13,10 @@ from .config import GQAConfig, MLAConfig
 __all__ = ["generate", "DecodeStep", "new_cache", "cache_bytes_per_token"]
 
 _MIN = float(np.finfo(np.float32).min)
+# The phase a Cell runs its compiled graph under without compiling again (nn.Cell._predict: a
+# Cell whose phase is "increment" and has a graph for it skips compile(), the arguments' key
+# and the walk over every sub-Cell, about half a millisecond of each decoding step)
+_DECODE_PHASE = "increment"
 # the Gather primitive: ops.gather changes its parameter order and semantics after 2.9.0
 _GATHER = ops.Gather()
 
@@ -91,6 +97,10 @@ class DecodeStep(nn.Cell):
         return logits.reshape(b, -1), new
 
 
+def _scalar(value):
+    return Tensor(np.int32(value))
+
+
 def positions_of(attention_mask):
     """Rotary positions of left-padded sequences, as transformers computes them: the running
     count of real tokens minus one (1 on padding)."""
@@ -155,39 +165,66 @@ def generate(net, ids, max_new_tokens, eos_token_id=None, *, attention_mask=None
         step = DecodeStep(net, use_cache)
     buffer = np.zeros((batch, total), np.int32)
     buffer[:, :start] = ids
-    key_valid = np.zeros((batch, total), bool)
+    # the new slots are valid from the start: a query never sees a later slot (causal mask),
+    # so one Tensor serves every step
+    key_valid = np.ones((batch, total), bool)
     key_valid[:, :start] = mask != 0
-    positions = np.ones((batch, total), np.int32)
+    key_valid = Tensor(key_valid)
+    positions = np.empty((batch, total), np.int32)
     positions[:, :start] = positions_of(mask)
-    last = positions[:, start - 1].copy()
-    done = np.zeros(batch, bool)
-
-    def scalar(value):
-        return Tensor(np.int32(value))
+    positions[:, start:] = positions[:, start - 1:start] + np.arange(1, max_new_tokens + 1)
 
     if use_cache:
         caches = new_cache(net.config, batch, total, net.model.embed_tokens.weight.dtype)
-        logits, caches = step(Tensor(buffer[:, :start]), Tensor(positions[:, :start]),
-                              Tensor(key_valid), scalar(0), scalar(start - 1),
-                              ms.mutable(caches))
+        logits, caches = step(Tensor(buffer[:, :start]), Tensor(positions[:, :start]), key_valid,
+                              _scalar(0), _scalar(start - 1), ms.mutable(caches))
+    with _steps_of_one_shape(step):
+        return _decode(step, buffer, key_valid, positions, start, caches if use_cache else None,
+                       logits if use_cache else None, eos, do_sample, temperature, top_k,
+                       top_p, rng, streamer)
+
+
+@contextlib.contextmanager
+def _steps_of_one_shape(step):
+    """Within it, the calls of a DecodeStep Cell all have one argument signature: the first
+    compiles (or finds) their graph and the others run it directly. Forgotten before and
+    after, as another call's shapes may differ."""
+    if not isinstance(step, nn.Cell):
+        yield
+        return
+    phase = step.phase
+    step.phase_cache.pop(_DECODE_PHASE, None)
+    step.phase = _DECODE_PHASE
+    try:
+        yield
+    finally:
+        step.phase = phase
+        step.phase_cache.pop(_DECODE_PHASE, None)
+
+
+def _decode(step, buffer, key_valid, positions, start, caches, logits, eos, do_sample,
+            temperature, top_k, top_p, rng, streamer):
+    """generate's loop over the new positions start .. total - 1 (caches None: no cache)."""
+    use_cache = caches is not None
+    batch, total = buffer.shape
+    done = np.zeros(batch, bool)
+    first = _scalar(0)
+    if not use_cache:
+        positions = Tensor(positions)
+
     for pos in range(start, total):
         if not use_cache:
-            logits, _ = step(Tensor(buffer), Tensor(positions), Tensor(key_valid), scalar(0),
-                             scalar(pos - 1), ())
+            logits, _ = step(Tensor(buffer), positions, key_valid, first, _scalar(pos - 1), ())
         token = _choose(logits.asnumpy(), do_sample, temperature, top_k, top_p, rng)
         if eos:
             token = np.where(done, eos[0], token)
             done |= np.isin(token, eos)
         buffer[:, pos] = token
-        key_valid[:, pos] = True
-        last += 1
-        positions[:, pos] = last
         if streamer is not None:
             streamer(token.astype(np.int64))
         if done.all():
             return buffer[:, :pos + 1].astype(np.int64)
         if use_cache and pos + 1 < total:
             logits, caches = step(Tensor(buffer[:, pos:pos + 1]), Tensor(positions[:, pos:pos + 1]),
-                                  Tensor(key_valid), scalar(pos), scalar(0),
-                                  ms.mutable(caches))
+                                  key_valid, _scalar(pos), first, ms.mutable(caches))
     return buffer.astype(np.int64)

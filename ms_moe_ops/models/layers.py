@@ -92,8 +92,9 @@ class Linear(nn.Linear):
 
 
 def _dense(n_in, n_out, bias=False):
-    """A projection with torch's [out, in] weight layout (nn.Linear's own)."""
-    return nn.Linear(n_in, n_out, bias=bias, weight_init=Normal(0.02))
+    """A projection with torch's [out, in] weight layout (nn.Linear's own), whose products of a
+    few rows on the CPU (decoding) take the kernels' few-rows path (Linear)."""
+    return Linear(n_in, n_out, bias=bias, weight_init=Normal(0.02))
 
 
 class RotaryEmbedding(nn.Cell):
