@@ -146,6 +146,12 @@ MOE_EXPORT Shape CastInferShape(int *ndims, int64_t **shapes, void *) {
   return shape_of(ndims, shapes, 0);
 }
 
+// dequantize: weight [E, K, N], scale [E, N], index [G] -> [G, K, N]
+MOE_EXPORT Shape DequantizeInferShape(int *ndims, int64_t **shapes, void *) {
+  const Shape w = shape_of(ndims, shapes, 0);
+  return {dim(shape_of(ndims, shapes, 2), 0, 1), dim(w, 1, 3), dim(w, 2, 3)};
+}
+
 MOE_EXPORT Shape GroupedMatmulInferShape(int *ndims, int64_t **shapes, void *extra) {
   return grouped_matmul(ndims, shapes, attrs(extra));
 }

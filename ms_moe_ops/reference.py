@@ -495,6 +495,15 @@ def per_channel_int8(w):
     return np.clip(np.rint(w / step[:, None, :]), -127, 127).astype(np.int8), step
 
 
+def dequantize(weight, scale, index):
+    """weight int8 [E, K, N], scale [E, N], index [G] -> float32 [G, K, N]: weight[index[g]] *
+    scale[index[g]] per output channel (one float32 product per element)."""
+    index = np.asarray(index, np.int64)
+    w = np.asarray(weight, np.float32)[index]
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf and NaN steps stay what they are)
+        return w * np.asarray(scale, np.float32)[index][:, None, :]
+
+
 def _static_int8(v, step):
     return np.clip(np.rint(np.asarray(v, np.float64) / np.float64(step)), -128, 127)
 

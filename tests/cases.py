@@ -9,6 +9,7 @@ from ms_moe_ops import (MoELayer, dropped_fraction, moe_ffn, reference as ref, r
                         update_expert_bias)
 from ms_moe_ops.ops import ffn, gating, permute, swiglu
 from ms_moe_ops.ops.cast import CAST
+from ms_moe_ops.ops.dequantize import DEQUANTIZE
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
 from conftest import assert_close, numpy, rounded, run, tensor
 
@@ -518,6 +519,13 @@ def _cast(rng, dtype, to="bfloat16"):
     return CAST, [x], dict(dtype=to), (ref.cast(x, to),)
 
 
+def _dequantize(rng, dtype):
+    weight = rng.integers(-128, 128, (3, 4, 5)).astype(np.int8)
+    scale = rng.uniform(0.01, 1, (3, 5)).astype(np.float32)
+    index = np.array([2, 0, 2], np.int32)
+    return DEQUANTIZE, [weight, scale, index], {}, (ref.dequantize(weight, scale, index),)
+
+
 CASES = {
     "router_sigmoid": lambda r, d: _router(r, d, k=2, with_bias=True),
     "router_groups_max": lambda r, d: _router(r, d, k=4, k_group=2, group_count=4, with_bias=True),
@@ -559,6 +567,7 @@ CASES = {
     "cast": _cast,
     "cast_to_float16": lambda r, d: _cast(r, d, "float16"),
     "cast_to_float32": lambda r, d: _cast(r, d, "float32"),
+    "dequantize": _dequantize,
 }
 
 

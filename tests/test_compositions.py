@@ -35,7 +35,8 @@ def _apply(op, inputs, attrs, mode="pynative", dtype="float32"):
 # one case per operator compiled in GRAPH mode too (each compilation costs seconds)
 GRAPH_CASES = ["router_groups_top2", "router_backward", "router_softmax_backward", "router_grad",
                "swiglu", "swiglu_backward", "activation_grad_gelu", "moe_ffn_gelu_cumulative",
-               "grouped_matmul", "permute", "unpermute", "unpermute_backward", "cast"]
+               "grouped_matmul", "permute", "unpermute", "unpermute_backward", "cast",
+               "dequantize"]
 
 
 @pytest.mark.parametrize("case,mode", [(c, "pynative") for c in sorted(CASES)] +
@@ -113,6 +114,7 @@ GRADIENT_CASES = {
     "grouped_matmul_padded": ("grouped_matmul_padded", (0, 1, 3), (0,)),
     "permute": ("permute", (0,), (0,)),
     "unpermute": ("unpermute", (0, 2), (0,)),
+    "dequantize": ("dequantize", (1,), (0,)),
 }
 
 _GOLDEN = {
@@ -132,6 +134,7 @@ _GOLDEN = {
         x, w, gl, transpose_x=True),),
     "permute": lambda a: lambda x, i: ref.moe_token_permute(x, i, a["num_experts"]),
     "unpermute": lambda a: lambda p, s, q: (ref.moe_token_unpermute(p, s, q, a["top_k"]),),
+    "dequantize": lambda a: lambda w, s, i: (np.asarray(w, np.float64)[i] * s[i][:, None, :],),
 }
 
 

@@ -85,6 +85,17 @@ def test_few_rows(transpose_weight, rows, rng):
     assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [8, 9, 12, 13, 15, 16])
+@pytest.mark.parametrize("n", [133, 134])
+def test_few_rows_one_group(n, rows, rng):
+    """Eight rows and more of one group, transposed weight: blocks of 8 rows against 3 weight
+    rows, then of 4 and single rows, N leaving 1 or 2 weight rows after the blocks of 3."""
+    x, w, b, _, gl = _case(rng, m=rows, k=37, n=n, counts=(rows,))
+    y = grouped_matmul(tensor(x, "float32"), tensor(w.transpose(0, 2, 1).copy(), "float32"),
+                       tensor(gl), tensor(b, "float32"), transpose_weight=True)
+    assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), rtol=1e-5)
+
+
 @pytest.mark.parametrize("counts", [(2,), (1, 0, 2), (1, 1, 0, 2, 1, 3)],
                          ids=["one group", "two groups", "five groups"])
 @pytest.mark.parametrize("transpose_weight", [False, True], ids=["plain", "transpose_weight"])

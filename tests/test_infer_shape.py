@@ -89,6 +89,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, strategies as st  # noqa: E402
 
 from ms_moe_ops.ops.cast import CAST  # noqa: E402
+from ms_moe_ops.ops.dequantize import DEQUANTIZE  # noqa: E402
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD, MOE_FFN  # noqa: E402
 from ms_moe_ops.ops.gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD,  # noqa: E402
                                    GATING_TOP_K)
@@ -138,6 +139,9 @@ def valid_calls(draw):
     if op is CAST:
         shape = draw(st.lists(st.integers(0, 4), min_size=0, max_size=4))
         return op, dict(dtype=draw(st.sampled_from(["float32", "float16", "bfloat16"]))), [shape]
+    if op is DEQUANTIZE:
+        e = draw(DIM)
+        return op, {}, [[e, k, n], [e, n], [draw(st.integers(0, 9))]]
     with_probs = draw(st.booleans())
     attrs = dict(with_probs=with_probs, top_k=draw(st.sampled_from([0, k])) if with_probs else k)
     shapes = [[m * k, n], [m * k], [m, k] if with_probs else None]

@@ -19,6 +19,7 @@ from ms_moe_ops import (grouped_matmul, moe_ffn, moe_gating_top_k, moe_token_per
                         moe_token_unpermute, reference as ref)
 from ms_moe_ops.ops import OPERATORS  # noqa: E402
 from ms_moe_ops.ops.cast import CAST  # noqa: E402
+from ms_moe_ops.ops.dequantize import DEQUANTIZE  # noqa: E402
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD  # noqa: E402
 from ms_moe_ops.ops.gating import GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD  # noqa: E402
 from ms_moe_ops.ops.permute import UNPERMUTE_BACKWARD  # noqa: E402
@@ -84,7 +85,7 @@ def test_every_operator_has_a_property():
     covered = {"moe_gating_top_k", "moe_gating_top_k_backward", "moe_gating_top_k_softmax_backward",
                "moe_gating_top_k_grad", "swiglu_group", "swiglu_group_quant_grad", "moe_ffn",
                "moe_ffn_activation_grad", "grouped_matmul", "moe_token_permute",
-               "moe_token_unpermute", "moe_token_unpermute_backward", "cast"}
+               "moe_token_unpermute", "moe_token_unpermute_backward", "cast", "dequantize"}
     assert {op.name for op in OPERATORS} == covered
 
 
@@ -453,3 +454,27 @@ def test_cast(case, implementation):
     number = ~np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), ~number)
     np.testing.assert_array_equal(got.view(np.uint32)[number], want.view(np.uint32)[number])
+
+
+@st.composite
+def dequantize_cases(draw):
+    # experts picked with repeats and in any order, K x N around the vectors and the threads'
+    # share (past 256 KB of work), empty picks and K = 0
+    e = draw(st.integers(1, 6))
+    g = draw(st.integers(0, 8))
+    k = draw(st.one_of(st.integers(0, 5), st.just(1024)))
+    n = draw(WIDTHS)
+    return e, g, k, n, draw(SEEDS)
+
+
+@given(case=dequantize_cases())
+@examples(20)
+def test_dequantize(case, implementation):
+    e, g, k, n, seed = case
+    rng = data(seed)
+    weight = rng.integers(-128, 128, (e, k, n)).astype(np.int8)
+    scale = (rng.uniform(0.5, 2, (e, n)) * 2.0 ** rng.integers(-20, 20, (e, n))).astype(np.float32)
+    index = rng.integers(0, e, g).astype(np.int32)
+    out = numpy(DEQUANTIZE(Tensor(weight), Tensor(scale), Tensor(index)))
+    # bitwise: one float32 product per element
+    np.testing.assert_array_equal(out, ref.dequantize(weight, scale, index))

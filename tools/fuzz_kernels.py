@@ -333,6 +333,11 @@ def check_case(kernel, a, ins, outs, dtypes):
                 np.array_equal(got[number].view(np.uint32), want[number].view(np.uint32))):
             raise Finding("cast differs from the golden model (bitwise)")
         return True
+    if kernel == "Dequantize":  # bitwise: one float32 product per element
+        want = ref.dequantize(ins["weight"], ins["scale"], ins["index"])
+        if np.asarray(outs["y"], np.float32).tobytes() != want.tobytes():
+            raise Finding("dequantize differs from the golden model (bitwise)")
+        return True
     raise Finding(f"no golden comparison for {kernel}")
 
 

@@ -691,6 +691,25 @@ Case unpermute(Gen &g, bool backward) {
   return c;
 }
 
+Case dequantize(Gen &g) {
+  Case c;
+  c.kernel = "Dequantize";
+  const int64_t e = g.size(1, 6), k = g.size(0, 40), n = g.size(0, 70), rows = g.size(0, 9);
+  c.inputs = {{"weight", g.ints("int8", {e, k, n}, -128, 127)},
+              {"scale", g.floats("float32", {e, n}, 4.0)},
+              {"index", g.ints("int32", {rows}, 0, e - 1)}};
+  c.outputs = {{"y", harness::zeros("float32", {rows, k, n})}};
+  if (!g.chance(35)) return c;
+  if (rows > 0 && g.chance(30)) {  // an expert number outside [0, E)
+    c.in("index").as<int32_t>()[g.size(0, rows - 1)] = static_cast<int32_t>(g.chance(50) ? -1 : e);
+    c.broken = true;
+    c.what = "index";
+  } else {
+    break_argument(g, c, {"weight", "scale", "index", "y"});
+  }
+  return c;
+}
+
 struct KernelGen {
   const char *name;  // the family's name in the statistics
   std::function<Case(Gen &)> make;
@@ -709,6 +728,7 @@ const std::vector<KernelGen> &generators() {
       {"MoeTokenUnpermute", [](Gen &g) { return unpermute(g, false); }},
       {"MoeTokenUnpermuteBackward", [](Gen &g) { return unpermute(g, true); }},
       {"Cast", cast},
+      {"Dequantize", dequantize},
   };
   return all;
 }

@@ -294,6 +294,16 @@ void conversions(Runner &r) {
       attrs.set_str("dtype", to);
       r.run(std::string("rounding_cast_") + from + "_" + to, "Cast", {&x}, {{"y", &y}}, attrs);
     }
+  {  // dequantize: 3 of 4 experts (one twice), past the 256 KB kept on the calling thread; bitwise equal
+    const int64_t e = 4, k = 200, n = 131;  // 3 x 200 x 131 floats: 314 KB
+    std::vector<double> q(e * k * n), s(e * n);
+    for (int64_t i = 0; i < e * k * n; ++i) q[i] = static_cast<double>(i * 37 % 255) - 127;
+    for (int64_t i = 0; i < e * n; ++i) s[i] = probs[i % probs.size()] / 64.0;
+    Tensor w = from_values("int8", {e, k, n}, q), scale = from_values("float32", {e, n}, s);
+    Tensor index = from_values("int32", {3}, {2, 0, 2}), y = zeros("float32", {3, k, n});
+    Attrs none;
+    r.run("dequantize", "Dequantize", {&w, &scale, &index}, {{"y", &y}}, none);
+  }
 }
 
 }  // namespace

@@ -118,6 +118,23 @@ std::vector<Case> cases() {
         {random(rng, dt, {m, k}), random(rng, dt, {m, n}), counts, none, zeros(dt, {g, k, n})})
         ->set_bool("transpose_x", true).set_bool("transpose_weight", false).set_bool("cumulative", false);
   }
+  // decoding's products (benchmarks/bench_generate.py, hidden 1024): a projection of 1 or 8 rows
+  // (weight [N, K] as nn.Linear holds it, one group), and the experts' first product with one
+  // row in each of 2 or 16 experts
+  for (const int64_t m : {1, 8}) {
+    const std::string rows = " M=" + std::to_string(m);
+    for (const int64_t n : {256, 1024, 8192})
+      add("decode projection N=" + std::to_string(n) + rows, "GroupedMatmul",
+          {random(rng, "float32", {m, 1024}), random(rng, "float32", {n, 1024}, 0.05),
+           from_values("int64", {1}, {double(m)}), none, zeros("float32", {m, n})})
+          ->set_bool("transpose_x", false).set_bool("transpose_weight", true).set_bool("cumulative", false);
+    const int64_t g = m == 1 ? 2 : 16;
+    add("decode experts G=" + std::to_string(g) + " M=" + std::to_string(g), "GroupedMatmul",
+        {random(rng, "float32", {g, 1024}), random(rng, "float32", {16, 1024, 1024}, 0.05),
+         from_values("int64", {16}, [&] { std::vector<double> c(16, 0.0); for (int64_t i = 0; i < g; ++i) c[i * 16 / g] = 1; return c; }()),
+         none, zeros("float32", {g, 1024})})
+        ->set_bool("transpose_x", false).set_bool("transpose_weight", false).set_bool("cumulative", false);
+  }
   {  // MoeFFN's activation backward, M=4096, F=2048
     const int64_t m = 4096, f = 2048;
     add("activation grad float32", "MoeFFNActivationGrad",

@@ -58,19 +58,11 @@ def _experts_with_rows(counts, rows):
     ids = ops.arange(counts.shape[0], dtype=ms.int32)
     key = ops.where(counts > 0, ids, ids + counts.shape[0])  # distinct: the sort is exact
     _, order = ops.sort(key)
-    pick = order[:n]
+    pick = order[:n].astype(ms.int32)
     kept = take_rows(counts, pick)
     last = counts.sum() - kept[:n - 1].sum() if n > 1 else counts.sum()
     last = ops.where(counts.min() < 0, counts.min(), last)
     return pick, ops.concat((kept[:n - 1], last.reshape(1).astype(kept.dtype)))
-
-
-def _dequantize(weight, step):
-    """int8 [G, K, N] * float32 step [G, N] -> float32 [G, K, N]. The step is tiled to the
-    weight's shape first: MindSpore's CPU Mul broadcasting [G, 1, N] runs at a third of its
-    speed on equal shapes."""
-    g, k, n = weight.shape
-    return weight.astype(ms.float32) * ops.tile(step.reshape(g, 1, n), (1, k, 1))
 
 
 def _param(value, dtype, name):
@@ -114,10 +106,11 @@ class _QuantExperts(SelfCastingCell):
         # the whole weights, which the products check against the counts)
         if F.isconstant(rows) and rows < self.num_experts and counts.shape[0] == self.num_experts:
             pick, counts = _experts_with_rows(counts, rows)
-            w1, w2, s1, s2 = (take_rows(t, pick) for t in (w1, w2, s1, s2))
             b1 = None if b1 is None else take_rows(b1, pick)
             b2 = None if b2 is None else take_rows(b2, pick)
-        w1, w2 = _dequantize(w1, s1), _dequantize(w2, s2)
+        else:
+            pick = ops.arange(self.num_experts, dtype=ms.int32)
+        w1, w2 = moe_ops.dequantize(w1, s1, pick), moe_ops.dequantize(w2, s2, pick)
         b1 = None if b1 is None else moe_ops.cast(b1, dtype)
         b2 = None if b2 is None else moe_ops.cast(b2, dtype)
         return counts, moe_ops.cast(w1, dtype), b1, moe_ops.cast(w2, dtype), b2

@@ -1,5 +1,6 @@
 """Functional API: every operator of the package (declarations and kernels: one module each)."""
 from .cast import CAST, cast
+from .dequantize import DEQUANTIZE, dequantize
 from .ffn import FFN_ACTIVATION_GRAD, MOE_FFN, moe_ffn
 from .gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD, GATING_TOP_K,
                      moe_gating_top_k, moe_gating_top_k_backward)
@@ -13,7 +14,7 @@ from ._op import record_choices  # noqa: F401 (ms_moe_ops.ops.record_choices)
 # the README's implementation table go through.
 OPERATORS = (GATING_TOP_K, GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_GRAD, SWIGLU_GROUP,
              SWIGLU_GROUP_QUANT_GRAD, MOE_FFN, FFN_ACTIVATION_GRAD, GROUPED_MATMUL, PERMUTE,
-             UNPERMUTE, UNPERMUTE_BACKWARD, CAST)
+             UNPERMUTE, UNPERMUTE_BACKWARD, CAST, DEQUANTIZE)
 
 __all__ = [
     "moe_gating_top_k", "moe_gating_top_k_backward",
