@@ -9,7 +9,7 @@ at hidden 1024; the kernel reads each int8 weight once.
 import mindspore as ms
 from mindspore import ops
 
-from ._checks import check_dtype, check_rank, check_shape, dims
+from ._checks import check_dtype, check_shape, dims
 from ._impls import composition, kernel
 from ._indexing import take_rows
 from ._op import OpDef
