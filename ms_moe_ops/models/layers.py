@@ -141,16 +141,31 @@ def causal_mask(length, window=None):
 
 def write_cache(buffer, new, slot):
     """buffer [B, h, L, d] with new [B, h, S, d] written at slots slot .. slot + S - 1 (slot a
-    scalar int Tensor, so one compiled graph serves every slot): a select, exact."""
-    length, s = buffer.shape[2], new.shape[2]
+    scalar int Tensor, so one compiled graph serves every slot); exact. One new position (a
+    decoding step) is a scatter of its B x h rows: a select over the whole cache reads and
+    writes it three times over, 2.5x slower. bfloat16 (which the CPU's scatter and select
+    lack) is written in float32."""
+    if buffer.dtype == ms.bfloat16:  # (exact: every bfloat16 is a float32)
+        return write_cache(buffer.astype(ms.float32), new.astype(ms.float32), slot).astype(
+            ms.bfloat16)
+    b, h, length = buffer.shape[0], buffer.shape[1], buffer.shape[2]
+    s = new.shape[2]
     if s == 1:
-        at = (ops.arange(length) == slot).reshape(1, 1, length, 1)
-        return ops.where(at, new, buffer)
+        shape = (b, h, 1, 1)  # index (batch, head, slot) of each new row
+        index = ops.cat((ops.broadcast_to(ops.arange(b, dtype=ms.int32).reshape(b, 1, 1, 1), shape),
+                         ops.broadcast_to(ops.arange(h, dtype=ms.int32).reshape(1, h, 1, 1), shape),
+                         ops.broadcast_to(slot.astype(ms.int32).reshape(1, 1, 1, 1), shape)), -1)
+        return ops.tensor_scatter_update(buffer, index, new)
     # one-hot placement [L, S]: each filled slot takes exactly one new row (x * 1 + 0s)
     place = (ops.arange(length).reshape(-1, 1) == slot + ops.arange(s).reshape(1, -1))
     placed = ops.matmul(place.astype(new.dtype), new)
     filled = place.any(1).reshape(1, 1, length, 1)
     return ops.where(filled, placed, buffer)
+
+
+# q k^T without transposing k: a transpose of the keys copies the whole cache at every
+# decoding step (3.5 ms against 0.8 ms with [8, 4, 1024, 64] keys on the CPU)
+_SCORES = ops.BatchMatMul(transpose_b=True)
 
 
 def attend(q, k, v, mask, scaling):
@@ -164,7 +179,7 @@ def attend(q, k, v, mask, scaling):
     groups = heads // kv_heads
     if groups > 1:
         q = q.reshape(b, kv_heads, groups * s, d)
-    scores = ops.matmul(q, k.swapaxes(-1, -2)) * scaling
+    scores = _SCORES(q, k) * scaling
     if groups > 1:  # each query head's rows take the mask of its positions
         length = scores.shape[-1]
         if mask.ndim == 4:  # [B, 1 or heads, S, L] -> [B, 1 or kv_heads, 1 or groups, S, L]
@@ -174,11 +189,19 @@ def attend(q, k, v, mask, scaling):
         scores = scores.reshape(b, kv_heads, groups * s, length)
     else:
         scores = scores + mask
-    if scores.dtype == ms.float32:
+    if scores.dtype == ms.float32 and v.dtype == ms.float32:
         out = ops.matmul(ops.softmax(scores, -1), v)
     else:
         out = ops.matmul(ops.softmax(scores.astype(ms.float32), -1).astype(v.dtype), v)
     return out.reshape(b, heads, s, v.shape[-1]) if groups > 1 else out
+
+
+def _heads_first(x):
+    """[B, S, h, d] <-> [B, h, S, d]; for one position (a decoding step) a reshape, not the
+    transpose's copy."""
+    if x.shape[1] == 1 or x.shape[2] == 1:
+        return x.reshape(x.shape[0], x.shape[2], x.shape[1], x.shape[3])
+    return x.swapaxes(1, 2)
 
 
 class GQAttention(nn.Cell):
@@ -206,15 +229,15 @@ class GQAttention(nn.Cell):
         d = self.head_dim
         q = self.q_proj(x).reshape(b, s, -1, d)
         k = self.k_proj(x).reshape(b, s, -1, d)
-        v = self.v_proj(x).reshape(b, s, -1, d).swapaxes(1, 2)
+        v = _heads_first(self.v_proj(x).reshape(b, s, -1, d))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotate(q.swapaxes(1, 2), cos, sin)
-        k = rotate(k.swapaxes(1, 2), cos, sin)
+        q = rotate(_heads_first(q), cos, sin)
+        k = rotate(_heads_first(k), cos, sin)
         if cache is not None:
             k, v = write_cache(cache[0], k, slot), write_cache(cache[1], v, slot)
             cache = (k, v)
-        out = self.o_proj(attend(q, k, v, mask, self.scaling).swapaxes(1, 2).reshape(b, s, -1))
+        out = self.o_proj(_heads_first(attend(q, k, v, mask, self.scaling)).reshape(b, s, -1))
         if cache is None:
             return out
         return out, cache
