@@ -249,12 +249,13 @@ def nan_pool(mode):
         y = x * np.nan
         return y + 1, (y * 2).sum(), ops.exp(y)
 
-    for n in (1, 4, 16, 64, 128, 256, 1024):
-        blocks = [Tensor(np.full((n,), np.nan, np.float32)) * 1 for _ in range(20)]
-        del blocks
-        gc.collect()
+    sizes = (1, 4, 16, 64, 128, 256, 1024)
+    blocks = [Tensor(np.full((n,), np.nan, np.float32)) * 1 for n in sizes for _ in range(20)]
+    del blocks
+    for n in sizes:
         run(poison, Tensor(np.ones((n,), np.float32)), mode=mode)
-        gc.collect()
+    # (one collection: each takes seconds late in the suite, with many objects alive)
+    gc.collect()
 
 
 def finite_diff(f, x, eps=1e-6):
