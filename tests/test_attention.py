@@ -1,6 +1,6 @@
 """models.layers.attend: grouped-query attention reads the keys and values as they are (a key
 head's query heads stacked as rows), against numpy with the key heads repeated per query head
-(transformers' repeat_kv), for every mask form the models and users pass, in every dtype, with
+(transformers' repeat_kv), for every mask form the models and users pass, in float16 too, with
 gradients equal to those of the plain composition (keys transposed, then multiplied). And
 write_cache: new positions written into a KV cache buffer, exactly, at any slot."""
 import numpy as np

@@ -276,7 +276,7 @@ class MLAttention(nn.Cell):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q = q.reshape(b, s, self.heads, -1).swapaxes(1, 2)
+        q = _heads_first(q.reshape(b, s, self.heads, -1))
         q_nope, q_rot = ops.split(q, (self.nope, self.rope), -1)
         latent, k_rot = ops.split(self.kv_a_proj_with_mqa(x), (self.latent, self.rope), -1)
         latent = self.kv_a_layernorm(latent)
@@ -288,14 +288,14 @@ class MLAttention(nn.Cell):
             cache = (latent, k_rot)
             if absorb:
                 out = self._absorbed(q_nope, q_rot, latent, k_rot, mask)
-                return self.o_proj(out.swapaxes(1, 2).reshape(b, s, -1)), cache
+                return self.o_proj(_heads_first(out).reshape(b, s, -1)), cache
         length = k_rot.shape[2]
         kv = self.kv_b_proj(latent.reshape(b, length, -1))
         kv = kv.reshape(b, length, self.heads, -1).swapaxes(1, 2)
         k_nope, v = ops.split(kv, (self.nope, self.v_dim), -1)
         q = ops.cat((q_nope, q_rot), -1)
         k = ops.cat((k_nope, ops.broadcast_to(k_rot, (b, self.heads, length, self.rope))), -1)
-        out = self.o_proj(attend(q, k, v, mask, self.scaling).swapaxes(1, 2).reshape(b, s, -1))
+        out = self.o_proj(_heads_first(attend(q, k, v, mask, self.scaling)).reshape(b, s, -1))
         if cache is None:
             return out
         return out, cache
@@ -303,20 +303,22 @@ class MLAttention(nn.Cell):
     def _absorbed(self, q_nope, q_rot, latent, k_rot, mask):
         """Attention in the latent space (DeepSeek-V2's absorbed projections): kv_b_proj's key
         half folded into the queries, its value half applied after the softmax, so no
-        per-head key or value of the cached positions is ever formed. latent [B, 1, L, r],
-        k_rot [B, 1, L, rope] -> [B, heads, S, v_head_dim]."""
+        per-head key or value of the cached positions is ever formed, and every head reads the
+        one latent and rotary key as they are (the heads' queries stacked as the rows of one
+        product, as grouped-query attention's are). latent [B, 1, L, r], k_rot [B, 1, L, rope]
+        -> [B, heads, S, v_head_dim]."""
         w = self.kv_b_proj.weight.reshape(self.heads, self.nope + self.v_dim, self.latent)
         w_k, w_v = ops.split(w, (self.nope, self.v_dim), 1)  # [h, nope, r], [h, v, r]
         b, h, s = q_nope.shape[0], self.heads, q_nope.shape[2]
         length = latent.shape[2]
-        latent = ops.broadcast_to(latent, (b, h, length, self.latent))
-        k_rot = ops.broadcast_to(k_rot, (b, h, length, self.rope))
         q_latent = ops.matmul(q_nope, ops.broadcast_to(w_k, (b, h, self.nope, self.latent)))
-        scores = (ops.matmul(q_latent, latent.swapaxes(-1, -2))
-                  + ops.matmul(q_rot, k_rot.swapaxes(-1, -2))) * self.scaling + mask
+        scores = (_SCORES(q_latent.reshape(b, 1, h * s, self.latent), latent)
+                  + _SCORES(q_rot.reshape(b, 1, h * s, self.rope), k_rot))
+        scores = scores.reshape(b, h, s, length) * self.scaling + mask
         probs = ops.softmax(scores.astype(ms.float32), -1).astype(latent.dtype)
+        read = ops.matmul(probs.reshape(b, 1, h * s, length), latent)
         w_v = ops.broadcast_to(w_v.swapaxes(-1, -2), (b, h, self.latent, self.v_dim))
-        return ops.matmul(ops.matmul(probs, latent), w_v)
+        return ops.matmul(read.reshape(b, h, s, self.latent), w_v)
 
 
 class MLP(nn.Cell):
