@@ -504,6 +504,13 @@ def dequantize(weight, scale, index):
         return w * np.asarray(scale, np.float32)[index][:, None, :]
 
 
+def rms_norm(x, weight, eps=1e-6):
+    """x [..., H], weight [H] -> float64 weight * x / sqrt(mean(x^2) + eps) over the last axis."""
+    x = np.asarray(x, np.float64)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        return np.asarray(weight, np.float64) * (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps))
+
+
 def _static_int8(v, step):
     return np.clip(np.rint(np.asarray(v, np.float64) / np.float64(step)), -128, 127)
 

@@ -11,6 +11,7 @@ from ms_moe_ops.ops import ffn, gating, permute, swiglu
 from ms_moe_ops.ops.cast import CAST
 from ms_moe_ops.ops.dequantize import DEQUANTIZE
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
+from ms_moe_ops.ops.rms_norm import RMS_NORM
 from conftest import assert_close, numpy, rounded, run, tensor
 
 
@@ -526,6 +527,13 @@ def _dequantize(rng, dtype):
     return DEQUANTIZE, [weight, scale, index], {}, (ref.dequantize(weight, scale, index),)
 
 
+
+def _rms_norm(rng, dtype, shape=(2, 3, 16), eps=1e-6):
+    x = rng.normal(0, 2, shape).astype(np.float32)
+    weight = rng.normal(1, 0.5, shape[-1:]).astype(np.float32)
+    return RMS_NORM, [x, weight], dict(eps=eps), (ref.rms_norm(x, weight, eps),)
+
+
 CASES = {
     "router_sigmoid": lambda r, d: _router(r, d, k=2, with_bias=True),
     "router_groups_max": lambda r, d: _router(r, d, k=4, k_group=2, group_count=4, with_bias=True),
@@ -568,6 +576,8 @@ CASES = {
     "cast_to_float16": lambda r, d: _cast(r, d, "float16"),
     "cast_to_float32": lambda r, d: _cast(r, d, "float32"),
     "dequantize": _dequantize,
+    "rms_norm": _rms_norm,
+    "rms_norm_one_row_large_eps": lambda r, d: _rms_norm(r, d, (1, 64), eps=0.5),
 }
 
 

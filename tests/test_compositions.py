@@ -36,7 +36,7 @@ def _apply(op, inputs, attrs, mode="pynative", dtype="float32"):
 GRAPH_CASES = ["router_groups_top2", "router_backward", "router_softmax_backward", "router_grad",
                "swiglu", "swiglu_backward", "activation_grad_gelu", "moe_ffn_gelu_cumulative",
                "grouped_matmul", "permute", "unpermute", "unpermute_backward", "cast",
-               "dequantize"]
+               "dequantize", "rms_norm"]
 
 
 @pytest.mark.parametrize("case,mode", [(c, "pynative") for c in sorted(CASES)] +
@@ -115,6 +115,7 @@ GRADIENT_CASES = {
     "permute": ("permute", (0,), (0,)),
     "unpermute": ("unpermute", (0, 2), (0,)),
     "dequantize": ("dequantize", (1,), (0,)),
+    "rms_norm": ("rms_norm", (0, 1), (0,)),
 }
 
 _GOLDEN = {
@@ -135,6 +136,7 @@ _GOLDEN = {
     "permute": lambda a: lambda x, i: ref.moe_token_permute(x, i, a["num_experts"]),
     "unpermute": lambda a: lambda p, s, q: (ref.moe_token_unpermute(p, s, q, a["top_k"]),),
     "dequantize": lambda a: lambda w, s, i: (np.asarray(w, np.float64)[i] * s[i][:, None, :],),
+    "rms_norm": lambda a: lambda x, w: (ref.rms_norm(x, w, a["eps"]),),
 }
 
 

@@ -90,6 +90,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 
 from ms_moe_ops.ops.cast import CAST  # noqa: E402
 from ms_moe_ops.ops.dequantize import DEQUANTIZE  # noqa: E402
+from ms_moe_ops.ops.rms_norm import RMS_NORM  # noqa: E402
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD, MOE_FFN  # noqa: E402
 from ms_moe_ops.ops.gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD,  # noqa: E402
                                    GATING_TOP_K)
@@ -142,6 +143,9 @@ def valid_calls(draw):
     if op is DEQUANTIZE:
         e = draw(DIM)
         return op, {}, [[e, k, n], [e, n], [draw(st.integers(0, 9))]]
+    if op is RMS_NORM:
+        shape = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
+        return op, {}, [shape, shape[-1:]]
     with_probs = draw(st.booleans())
     attrs = dict(with_probs=with_probs, top_k=draw(st.sampled_from([0, k])) if with_probs else k)
     shapes = [[m * k, n], [m * k], [m, k] if with_probs else None]

@@ -23,6 +23,7 @@ from ms_moe_ops.ops.dequantize import DEQUANTIZE  # noqa: E402
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD  # noqa: E402
 from ms_moe_ops.ops.gating import GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD  # noqa: E402
 from ms_moe_ops.ops.permute import UNPERMUTE_BACKWARD  # noqa: E402
+from ms_moe_ops.ops.rms_norm import RMS_NORM  # noqa: E402
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD  # noqa: E402
 from cases import assert_int8_matches, int8_ffn, int8_ffn_case  # noqa: E402
 from ms_moe_ops.ops import _platform  # noqa: E402
@@ -85,7 +86,8 @@ def test_every_operator_has_a_property():
     covered = {"moe_gating_top_k", "moe_gating_top_k_backward", "moe_gating_top_k_softmax_backward",
                "moe_gating_top_k_grad", "swiglu_group", "swiglu_group_quant_grad", "moe_ffn",
                "moe_ffn_activation_grad", "grouped_matmul", "moe_token_permute",
-               "moe_token_unpermute", "moe_token_unpermute_backward", "cast", "dequantize"}
+               "moe_token_unpermute", "moe_token_unpermute_backward", "cast", "dequantize",
+               "rms_norm"}
     assert {op.name for op in OPERATORS} == covered
 
 
@@ -478,3 +480,24 @@ def test_dequantize(case, implementation):
     out = numpy(DEQUANTIZE(Tensor(weight), Tensor(scale), Tensor(index)))
     # bitwise: one float32 product per element
     np.testing.assert_array_equal(out, ref.dequantize(weight, scale, index))
+
+
+@st.composite
+def rms_norm_cases(draw):
+    # widths around the vectors, rows past the threads' share, magnitudes over 2^+-40 (the
+    # composition squares in float32)
+    rows = draw(st.one_of(st.integers(0, 5), st.just(300)))
+    h = draw(st.one_of(WIDTHS, st.just(1024)))
+    return rows, h, draw(st.sampled_from([0.0, 1e-6, 0.1])), draw(SEEDS)
+
+
+@given(case=rms_norm_cases())
+@examples(20)
+def test_rms_norm(case, implementation):
+    rows, h, eps, seed = case
+    rng = data(seed)
+    x = (rng.normal(size=(rows, h)) * 2.0 ** rng.integers(-40, 40, (rows, 1))).astype(np.float32)
+    w = rng.normal(size=h).astype(np.float32)
+    out = RMS_NORM(Tensor(x), Tensor(w), eps=eps)
+    # a few float32 roundings of each output: the scale (sum, root, quotient) and two products
+    agree(out, ref.rms_norm(x, w, eps), "float32", terms=4)

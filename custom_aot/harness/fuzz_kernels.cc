@@ -710,6 +710,21 @@ Case dequantize(Gen &g) {
   return c;
 }
 
+Case rms_norm(Gen &g) {
+  Case c;
+  c.kernel = "RmsNorm";
+  std::vector<int64_t> shape = {g.size(0, 6), g.size(0, 70)};
+  if (g.chance(20)) shape.erase(shape.begin());
+  if (g.chance(10)) shape = {g.size(100, 300), g.size(1000, 1100)};  // past the threads' share
+  c.inputs = {{"x", g.floats("float32", shape, 1e5)},
+              {"weight", g.floats("float32", {shape.back()}, 4.0)}};
+  c.outputs = {{"y", harness::zeros("float32", shape)}};
+  c.set_float("eps", g.chance(20) ? 0.f : 1e-6f);
+  if (!g.chance(35)) return c;
+  break_argument(g, c, {"x", "weight", "y"});
+  return c;
+}
+
 struct KernelGen {
   const char *name;  // the family's name in the statistics
   std::function<Case(Gen &)> make;
@@ -729,6 +744,7 @@ const std::vector<KernelGen> &generators() {
       {"MoeTokenUnpermuteBackward", [](Gen &g) { return unpermute(g, true); }},
       {"Cast", cast},
       {"Dequantize", dequantize},
+      {"RmsNorm", rms_norm},
   };
   return all;
 }

@@ -304,6 +304,17 @@ void conversions(Runner &r) {
     Attrs none;
     r.run("dequantize", "Dequantize", {&w, &scale, &index}, {{"y", &y}}, none);
   }
+  {  // rms_norm: 300 rows of 1031 (past the threads' share, off the vector widths)
+    const int64_t rows = 300, h = 1031;
+    std::vector<double> xs(rows * h), ws(h);
+    for (int64_t i = 0; i < rows * h; ++i) xs[i] = probs[i % probs.size()] * (i % 7 - 3);
+    for (int64_t j = 0; j < h; ++j) ws[j] = 0.5 + probs[j % probs.size()];
+    Tensor x = from_values("float32", {rows, h}, xs), w = from_values("float32", {h}, ws);
+    Tensor y = zeros("float32", {rows, h});
+    Attrs attrs;
+    attrs.set_float("eps", 1e-6f);
+    r.run("rms_norm", "RmsNorm", {&x, &w}, {{"y", &y}}, attrs);
+  }
 }
 
 }  // namespace

@@ -13,6 +13,8 @@ from .config import GQAConfig, MLAConfig
 __all__ = ["generate", "DecodeStep", "new_cache", "cache_bytes_per_token"]
 
 _MIN = float(np.finfo(np.float32).min)
+# the mask's values (0 where a key may be attended, the lowest float32 elsewhere), broadcast
+_ZERO, _LOWEST = Tensor(0.0, ms.float32), Tensor(_MIN, ms.float32)
 # The phase a Cell runs its compiled graph under without compiling again (nn.Cell._predict: a
 # Cell whose phase is "increment" and has a graph for it skips compile(), the arguments' key
 # and the walk over every sub-Cell, about half a millisecond of each decoding step)
@@ -72,15 +74,17 @@ class DecodeStep(nn.Cell):
         length = key_valid.shape[1]
         cos, sin = model.rotary_emb(positions.reshape(-1))
         cos, sin = cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1)
-        query = (slot + ops.arange(s)).reshape(-1, 1)
-        key = ops.arange(length).reshape(1, -1)
-        allowed = key <= query
-        if self.window is not None:
-            allowed = ops.logical_and(allowed, query - key < self.window)
-        allowed = ops.logical_and(allowed.reshape(1, 1, s, length),
-                                  key_valid.reshape(b, 1, 1, length))
-        mask = ops.where(allowed, ops.zeros((b, 1, s, length), dtype=ms.float32),
-                         ops.full((b, 1, s, length), _MIN, dtype=ms.float32))
+        key = ops.arange(length)
+        if s == 1 and self.window is None:  # a decoding step: the slots up to its own
+            allowed = ops.logical_and(key <= slot, key_valid)
+        else:
+            query = (slot + ops.arange(s)).reshape(-1, 1)
+            allowed = key.reshape(1, -1) <= query
+            if self.window is not None:
+                allowed = ops.logical_and(allowed, query - key.reshape(1, -1) < self.window)
+            allowed = ops.logical_and(allowed.reshape(1, 1, s, length),
+                                      key_valid.reshape(b, 1, 1, length))
+        mask = ops.where(allowed.reshape(b, 1, s, length), _ZERO, _LOWEST)
         x = model.embed_tokens(ids)
         new = ()
         if self.use_cache:

@@ -10,16 +10,20 @@ from ..nn._backend import project
 from ..nn.moe_layer import MoELayer
 from ..ops._platform import device_target
 from ..ops._indexing import take_rows
+from ..ops.rms_norm import rms_norm
 from .config import GQAConfig
 
 __all__ = ["RMSNorm", "Embedding", "RotaryEmbedding", "GQAttention", "MLAttention", "MLP",
            "DecoderLayer", "Linear", "linear", "causal_mask", "write_cache"]
 
 _MIN = float(np.finfo(np.float32).min)
+# the Gather primitive: ops.gather changes its parameter order and semantics after 2.9.0
+_GATHER = ops.Gather()
 
 
 class RMSNorm(nn.Cell):
-    """weight * x / sqrt(mean(x^2) + eps) over the last axis, in float32."""
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis, in float32 (float32 tokens and
+    weight: the operator rms_norm, one kernel on the CPU and on Ascend)."""
 
     def __init__(self, size, eps=1e-6):
         super().__init__()
@@ -28,6 +32,8 @@ class RMSNorm(nn.Cell):
 
     def construct(self, x):
         dtype = x.dtype
+        if dtype == ms.float32 and self.weight.dtype == ms.float32:
+            return rms_norm(x, self.weight, self.eps)
         if dtype != ms.float32:  # (a cast to the same dtype is a copy in the graph)
             x = x.astype(ms.float32)
         x = x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps)
@@ -103,12 +109,16 @@ class RotaryEmbedding(nn.Cell):
 
     def __init__(self, rope):
         super().__init__()
-        self.inv_freq = Tensor(rope.inv_freq()[None, :])
+        inv_freq = rope.inv_freq()
+        # both halves' frequencies, so that one product makes them (the same products as
+        # multiplying once and concatenating the result with itself)
+        self.inv_freq = Tensor(np.concatenate([inv_freq, inv_freq])[None, :])
         self.scaling = float(rope.attention_scaling())
 
     def construct(self, positions):
-        freqs = positions.astype(ms.float32).reshape(-1, 1) * self.inv_freq
-        emb = ops.cat((freqs, freqs), -1)
+        emb = positions.astype(ms.float32).reshape(-1, 1) * self.inv_freq
+        if self.scaling == 1.0:  # (a product by 1 is a kernel of its own in a graph)
+            return ops.cos(emb), ops.sin(emb)
         return ops.cos(emb) * self.scaling, ops.sin(emb) * self.scaling
 
 
@@ -122,9 +132,23 @@ def rotate(x, cos, sin, interleave=False):
         cos, sin = cos[..., :half], sin[..., :half]
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return ops.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
-    half = x.shape[-1] // 2
+    d = x.shape[-1]
+    half = d // 2
+    if x.shape[-2] == 1:  # one position (a decoding step): the halves swapped by one gather
+        return x * cos + _GATHER(x, _swapped_halves(d), x.ndim - 1) * (sin * _half_signs(d))
     rotated = ops.cat((-x[..., half:], x[..., :half]), -1)
     return x * cos + rotated * sin
+
+
+def _swapped_halves(d):
+    """int32 [d]: the indices d/2 .. d-1, 0 .. d/2-1."""
+    return Tensor(np.concatenate([np.arange(d // 2, d), np.arange(d // 2)]).astype(np.int32))
+
+
+def _half_signs(d):
+    """float32 [d]: -1 on the first half, +1 on the second; with _swapped_halves, rotate_half's
+    (-x2, x1) as x[swapped] * signs (the same values: a sign flip is exact), in 3 kernels, not 5."""
+    return Tensor(np.concatenate([-np.ones(d // 2), np.ones(d - d // 2)]).astype(np.float32))
 
 
 def causal_mask(length, window=None):

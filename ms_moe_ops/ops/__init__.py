@@ -7,6 +7,7 @@ from .gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD, GATI
 from .grouped_matmul import GROUPED_MATMUL, grouped_matmul
 from .permute import (PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD, moe_token_permute,
                       moe_token_unpermute, moe_token_unpermute_backward)
+from .rms_norm import RMS_NORM, rms_norm
 from .swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD, swiglu_group, swiglu_group_quant_grad
 from ._op import record_choices  # noqa: F401 (ms_moe_ops.ops.record_choices)
 
@@ -14,7 +15,7 @@ from ._op import record_choices  # noqa: F401 (ms_moe_ops.ops.record_choices)
 # the README's implementation table go through.
 OPERATORS = (GATING_TOP_K, GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_GRAD, SWIGLU_GROUP,
              SWIGLU_GROUP_QUANT_GRAD, MOE_FFN, FFN_ACTIVATION_GRAD, GROUPED_MATMUL, PERMUTE,
-             UNPERMUTE, UNPERMUTE_BACKWARD, CAST, DEQUANTIZE)
+             UNPERMUTE, UNPERMUTE_BACKWARD, CAST, DEQUANTIZE, RMS_NORM)
 
 __all__ = [
     "moe_gating_top_k", "moe_gating_top_k_backward",

@@ -27,10 +27,20 @@ def take_rows(x, index):
     return _GATHER(x, index, 0)
 
 
+# at most this many index x value pairs, count compares each index with each value (3 kernels);
+# past it, it sorts (7 kernels, O(n log n) work and O(n) memory)
+_ONE_HOT_COUNT = 1 << 14
+
+
 def count(index, length):
     """int64 [length]: how often each value in [0, length) occurs in index (int, any shape, also
-    empty; length may be known only at run time): the edges of each value in the sorted index.
-    A sentinel (length, after every value) keeps the sort non-empty."""
+    empty; length may be known only at run time): for a few known sizes (a decoding step's) a
+    one-hot sum, else the edges of each value in the sorted index, a sentinel (length, after
+    every value) keeping the sort non-empty."""
+    if (_compat.is_constant(index.size) and isinstance(length, int)
+            and 0 < index.size * length <= _ONE_HOT_COUNT):
+        hits = index.reshape(-1, 1).astype(ms.int32) == ops.arange(length, dtype=ms.int32)
+        return hits.astype(ms.int64).sum(0)
     flat = ops.concat((index.reshape(-1).astype(ms.int32),
                        ops.full((1,), length, dtype=ms.int32)))
     ordered, _ = ops.sort(flat)

@@ -1,0 +1,125 @@
+"""rms_norm (ms_moe_ops.ops.rms_norm) and the models' RMSNorm on it: the golden model in both
+modes and at edge shapes, gradients against finite differences and against MindSpore's autograd
+of the plain composition, bad inputs, and what the models' norms compute."""
+import numpy as np
+import pytest
+import mindspore as ms
+from mindspore import Tensor, ops
+
+from ms_moe_ops import reference as ref
+from ms_moe_ops.models.layers import RMSNorm
+from ms_moe_ops.ops import rms_norm
+from conftest import finite_diff, grad, nan_pool, numpy, run
+
+
+def _norm(x, weight):
+    return rms_norm(x, weight, 1e-6)
+
+
+def _case(rng, shape, scale=2.0):
+    x = rng.normal(0, scale, shape).astype(np.float32)
+    weight = rng.normal(1, 0.5, shape[-1:]).astype(np.float32)
+    return x, weight
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (2, 1, 4, 64), (1, 1024), (1,), (5, 1), (2, 3, 1031),
+                                   (64, 2048)],
+                         ids=["rows", "heads", "one row", "one element", "H=1", "H odd",
+                              "threads"])
+def test_matches_golden(shape, mode, rng):
+    x, weight = _case(rng, shape)
+    out = numpy(run(_norm, Tensor(x), Tensor(weight), mode=mode))
+    assert out.shape == shape and out.dtype == np.float32
+    np.testing.assert_allclose(out, ref.rms_norm(x, weight, 1e-6), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (4, 0), (2, 0, 3)], ids=["no rows", "H=0", "empty"])
+def test_empty_inputs(shape, mode, rng):
+    nan_pool(mode)
+    x, weight = _case(rng, shape)
+    out = numpy(run(_norm, Tensor(x), Tensor(weight), mode=mode))
+    assert out.shape == shape
+
+
+def test_eps_and_extremes():
+    # eps dominates a row of zeros (0 out, not NaN); large values do not overflow the squares;
+    # a non-finite element gives what the composition gives (NaN or 0 rows), never a crash
+    x = np.array([[0, 0, 0, 0], [3e19, -3e19, 3e19, 1], [np.inf, 1, 2, 3],
+                  [np.nan, 1, 2, 3]], np.float32)
+    w = np.array([1, 2, 3, 4], np.float32)
+    out = numpy(rms_norm(Tensor(x), Tensor(w), 0.5))
+    np.testing.assert_array_equal(out[0], 0)
+    np.testing.assert_allclose(out[1], ref.rms_norm(x[1], w, 0.5), rtol=1e-6)
+    assert np.isnan(out[2, 0]) and (out[2, 1:] == 0).all()
+    assert np.isnan(out[3]).all()
+
+
+def test_one_call_per_row_gives_the_same_bits(rng):
+    # one row per task: the same bits for any batch it sits in (decoding's rows are alone)
+    x, w = _case(rng, (16, 1024))
+    whole = numpy(rms_norm(Tensor(x), Tensor(w)))
+    for i in (0, 7, 15):
+        np.testing.assert_array_equal(numpy(rms_norm(Tensor(x[i:i + 1]), Tensor(w))), whole[i:i + 1])
+
+
+def test_gradient(mode, rng):
+    x, weight = _case(rng, (3, 8))
+    c = rng.normal(size=(3, 8))
+
+    def loss(a, b):
+        return (rms_norm(a, b, 1e-3) * Tensor(c, ms.float32)).sum()
+
+    gx, gw = grad(loss, Tensor(x), Tensor(weight), mode=mode, argnums=(0, 1))
+    x64, w64 = x.astype(np.float64), weight.astype(np.float64)
+    np.testing.assert_allclose(numpy(gx), finite_diff(lambda v: (ref.rms_norm(v, w64, 1e-3) * c)
+                                                      .sum(), x64), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(numpy(gw), finite_diff(lambda v: (ref.rms_norm(x64, v, 1e-3) * c)
+                                                      .sum(), w64), rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_equals_autograd_of_the_composition(mode, rng):
+    x, weight = _case(rng, (2, 5, 32))
+    c = Tensor(rng.normal(size=(2, 5, 32)).astype(np.float32))
+
+    def ours(a, b):
+        return (rms_norm(a, b) * c).sum()
+
+    def plain(a, b):
+        return (b * (a * ops.rsqrt((a * a).mean(-1, keep_dims=True) + 1e-6)) * c).sum()
+
+    got = grad(ours, Tensor(x), Tensor(weight), mode=mode, argnums=(0, 1))
+    want = grad(plain, Tensor(x), Tensor(weight), mode=mode, argnums=(0, 1))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(numpy(g), numpy(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,x_dtype,w_dtype,error,words", [
+    ((3, 8), (7,), np.float32, np.float32, ValueError, "'weight' must have shape [8]"),
+    ((3, 8), (1, 8), np.float32, np.float32, ValueError, "'weight'"),
+    ((3, 8), (8,), np.float16, np.float32, TypeError, "'x' must have dtype float32"),
+    ((3, 8), (8,), np.float32, np.float16, TypeError, "'weight' must have dtype float32"),
+    ((), (1,), np.float32, np.float32, ValueError, "'x' must have at least one axis"),
+], ids=["weight width", "weight rank", "x dtype", "weight dtype", "scalar"])
+def test_bad_inputs_are_refused(x_shape, w_shape, x_dtype, w_dtype, error, words):
+    with pytest.raises(error, match="rms_norm") as info:
+        rms_norm(Tensor(np.ones(x_shape, x_dtype)), Tensor(np.ones(w_shape, w_dtype)))
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("eps", [-1e-6, float("nan")])
+def test_bad_eps_is_refused(eps):
+    with pytest.raises(ValueError, match="rms_norm: attribute 'eps' must be >= 0"):
+        rms_norm(Tensor(np.ones((2, 4), np.float32)), Tensor(np.ones(4, np.float32)), eps)
+
+
+@pytest.mark.parametrize("dtype", [ms.float32, ms.float16, ms.bfloat16])
+def test_the_models_norm(dtype, mode, rng):
+    # float32 tokens take the operator; half-precision ones the float32 composition, rounded back
+    norm = RMSNorm(24, 1e-5)
+    weight = rng.normal(1, 0.3, 24).astype(np.float32)
+    norm.weight.set_data(Tensor(weight))
+    x = rng.normal(0, 3, (2, 3, 24)).astype(np.float32)
+    got = numpy(run(norm, Tensor(x, dtype), mode=mode)).astype(np.float64)
+    xd = numpy(Tensor(x, dtype)).astype(np.float64)
+    tol = 2e-6 if dtype == ms.float32 else 1e-2
+    np.testing.assert_allclose(got, ref.rms_norm(xd, weight, 1e-5), rtol=tol, atol=tol)
