@@ -61,7 +61,9 @@ class DecodeStep(nn.Cell):
 
     def __init__(self, net, use_cache=True, absorb=False):
         super().__init__()
-        self.set_train(False)  # inference: the net's MoE blocks keep no routing statistics
+        # inference mode (quantised experts run only there); the routers still count the
+        # tokens each expert gets (expert_load)
+        self.set_train(False)
         self.net = net
         self.use_cache = use_cache
         self.absorb = absorb

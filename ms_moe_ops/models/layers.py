@@ -127,12 +127,15 @@ def rotate(x, cos, sin, interleave=False):
     [B, 1, S, d] for positions of each sequence): halves paired (rotate_half), or neighbouring
     dims paired (interleave; the rotated pairs come out as [evens | odds], as in transformers'
     DeepSeek-V3, which leaves every query-key product unchanged)."""
+    d = x.shape[-1]
     if interleave:
+        if x.shape[-2] == 1:  # one position: [evens | odds] and [odds | evens] by two gathers
+            return (_GATHER(x, _split_pairs(d, 0), x.ndim - 1) * cos
+                    + _GATHER(x, _split_pairs(d, 1), x.ndim - 1) * (sin * _half_signs(d)))
         half = cos.shape[-1] // 2
         cos, sin = cos[..., :half], sin[..., :half]
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return ops.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
-    d = x.shape[-1]
     half = d // 2
     if x.shape[-2] == 1:  # one position (a decoding step): the halves swapped by one gather
         return x * cos + _GATHER(x, _swapped_halves(d), x.ndim - 1) * (sin * _half_signs(d))
@@ -143,6 +146,12 @@ def rotate(x, cos, sin, interleave=False):
 def _swapped_halves(d):
     """int32 [d]: the indices d/2 .. d-1, 0 .. d/2-1."""
     return Tensor(np.concatenate([np.arange(d // 2, d), np.arange(d // 2)]).astype(np.int32))
+
+
+def _split_pairs(d, first):
+    """int32 [d]: the indices of the even dims then the odd ones (first=0), or odd then even."""
+    order = np.concatenate([np.arange(first, d, 2), np.arange(1 - first, d, 2)])
+    return Tensor(order.astype(np.int32))
 
 
 def _half_signs(d):
