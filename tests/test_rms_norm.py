@@ -124,3 +124,29 @@ def test_the_models_norm(dtype, mode, rng):
     xd = numpy(Tensor(x, dtype)).astype(np.float64)
     tol = 2e-6 if dtype == ms.float32 else 1e-2
     np.testing.assert_allclose(got, ref.rms_norm(xd, weight, 1e-5), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_whole_models_training_step_compiles_as_on_ascend(family, monkeypatch):
+    # the models' norms on Atlas A2: MindSpore's RmsNorm with this package's bprop; the front end
+    # must accept the whole float32 training step (forward, every gradient) and stop only at an
+    # Ascend kernel the CPU backend lacks
+    from ascend_sim import ASCEND_ONLY, as_on, backend_refusal
+    from hf_models import hf_config
+    from ms_moe_ops.models import CausalLMConfig, MoECausalLM
+    from ms_moe_ops.models.causal_lm import CausalLMLoss
+    from ms_moe_ops.ops import _platform
+
+    as_on(monkeypatch, _platform.A2)
+    ms.set_seed(0)
+    net = MoECausalLM(CausalLMConfig.from_transformers(hf_config(family, layers=2).to_dict()))
+    loss = CausalLMLoss(net)
+    ids = Tensor(np.random.default_rng(0).integers(0, 64, (2, 8)).astype(np.int32))
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            ms.value_and_grad(loss, None, loss.trainable_params())(ids)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    refused = backend_refusal(info.value)  # (RmsNorm: the first kernel of the step)
+    assert refused in ASCEND_ONLY + ("RmsNorm",), str(info.value)[:2000]
