@@ -127,4 +127,17 @@ def test_what_runs_is_what_was_asked_for(sequence, monkeypatch):
             else:
                 with pytest.raises(error):
                     call(step, rng)
+        if step.get("fault"):
+            _drain_fault()
         assert ran == ([] if impl is None else [(OPS[step["op"]].name, impl)]), (step, ran)
+
+
+def _drain_fault():
+    """The injected fault's error, raised at one read, was seen raised again at the next read
+    (MindSpore's PyNative launch queue, under load): one read of a fresh tensor lets the next step
+    start clean. Only that fault's message is swallowed."""
+    try:
+        numpy(tensor(np.zeros(1, np.float32)) + 1)
+    except RuntimeError as error:
+        if "group_list" not in str(error):
+            raise
