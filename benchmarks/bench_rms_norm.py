@@ -1,5 +1,7 @@
 """RMSNorm: ms_moe_ops' rms_norm kernel vs the same maths composed from MindSpore ops (square,
-mean, add, rsqrt and two products: what the models' RMSNorm ran before) vs numpy, in turns.
+mean, add, rsqrt and two products: what the models' RMSNorm ran before) vs numpy, in turns; then
+add_rms_norm (a residual sum and the next norm in one kernel) vs MindSpore's Add then rms_norm
+(what a decoding step ran before) vs numpy.
 
 Shapes: a decoding step's norms (one or 8 tokens of hidden 1024; Qwen3-MoE's per-head query
 norm, 8 tokens x 16 heads of 64) and a training step's (4096 tokens of 1024). At a decoding
@@ -19,7 +21,7 @@ from mindspore import Tensor, nn
 
 from ms_moe_ops import reference as ref
 from ms_moe_ops.models.layers import linear
-from ms_moe_ops.ops.rms_norm import RMS_NORM, _composed
+from ms_moe_ops.ops.rms_norm import ADD_RMS_NORM, RMS_NORM, _composed
 from common import report, timed_together
 
 
@@ -35,6 +37,17 @@ class Composed(nn.Cell):
 
     def construct(self, x, weight):
         return self.f(x, weight)
+
+
+class AddNorm(nn.Cell):
+    def construct(self, x, residual, weight):
+        return ADD_RMS_NORM(x, residual, weight, eps=1e-6)
+
+
+class AddThenNorm(nn.Cell):
+    def construct(self, x, residual, weight):
+        total = x + residual
+        return RMS_NORM(total, weight, eps=1e-6), total
 
 
 def _kernel_norm(x, weight):
@@ -80,6 +93,28 @@ def main(argv=None):
         moved = x.nbytes * 2
         rows = [(name, t, f"{moved / t / 1e9:6.2f} GB/s") for name, t in times.items()]
         report(f"rms_norm x {list(shape)} float32", rows, "ms_moe_ops (GRAPH)")
+    for shape in ((1, 1024), (8, 1024), (4096, 1024)):
+        x, r = (rng.normal(0, 2, shape).astype(np.float32) for _ in range(2))
+        w = rng.normal(1, 0.3, shape[-1]).astype(np.float32)
+        xt, rt, wt = Tensor(x), Tensor(r), Tensor(w)
+        fused, separate = AddNorm(), AddThenNorm()
+        want = ref.add_rms_norm(x, r, w)
+        for got in (fused(xt, rt, wt), separate(xt, rt, wt)):
+            np.testing.assert_allclose(got[0].asnumpy(), want[0], rtol=2e-6, atol=1e-6)
+            np.testing.assert_array_equal(got[1].asnumpy(), want[1])
+
+        def numpy_add_norm():
+            total = x + r
+            return w * (total / np.sqrt((total * total).mean(-1, keepdims=True) + 1e-6)), total
+
+        times = timed_together([
+            ("ms_moe_ops (GRAPH)", lambda: [t.asnumpy() for t in fused(xt, rt, wt)]),
+            ("Add, then rms_norm (GRAPH)", lambda: [t.asnumpy() for t in separate(xt, rt, wt)]),
+            ("numpy", numpy_add_norm),
+        ], repeat=a.repeats)
+        moved = x.nbytes * 4  # x and the residual read, y and the sum written
+        rows = [(name, t, f"{moved / t / 1e9:6.2f} GB/s") for name, t in times.items()]
+        report(f"add_rms_norm x {list(shape)} float32", rows, "ms_moe_ops (GRAPH)")
     weights = [Tensor(rng.normal(0, 0.03, (1024, 1024)).astype(np.float32)) for _ in range(9)]
     x, w = Tensor(rng.normal(0, 1, (1, 1024)).astype(np.float32)), Tensor(np.ones(1024, np.float32))
     ours, composed = Step(weights, _kernel_norm), Step(weights, _composed_norm)

@@ -157,6 +157,18 @@ MOE_EXPORT Shape RmsNormInferShape(int *ndims, int64_t **shapes, void *) {
   return shape_of(ndims, shapes, 0);
 }
 
+// decode_attention: query [B, N, 1, D], ..., key_cache, value_cache [B, Nkv, L, D], ...
+//   -> out of query's shape, the two caches' shapes
+MOE_EXPORT Shapes DecodeAttentionInferShape(int *ndims, int64_t **shapes, void *) {
+  return {shape_of(ndims, shapes, 0), shape_of(ndims, shapes, 5), shape_of(ndims, shapes, 6)};
+}
+
+// add_rms_norm: x [..., H], residual, weight [H] -> y and sum of x's shape
+MOE_EXPORT Shapes AddRmsNormInferShape(int *ndims, int64_t **shapes, void *) {
+  const Shape x = shape_of(ndims, shapes, 0);
+  return {x, x};
+}
+
 MOE_EXPORT Shape GroupedMatmulInferShape(int *ndims, int64_t **shapes, void *extra) {
   return grouped_matmul(ndims, shapes, attrs(extra));
 }

@@ -511,6 +511,38 @@ def rms_norm(x, weight, eps=1e-6):
         return np.asarray(weight, np.float64) * (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps))
 
 
+def add_rms_norm(x, residual, weight, eps=1e-6):
+    """(rms_norm(x + residual, weight, eps), x + residual), float64 (the sum rounded to float32 as
+    the kernels store it, before the norm)."""
+    total = (np.asarray(x, np.float32) + np.asarray(residual, np.float32)).astype(np.float64)
+    return rms_norm(total, weight, eps), total
+
+
+def decode_attention(q, k, v, cos, sin, key_cache, value_cache, mask, slot, scaling=1.0):
+    """One new position of grouped-query attention over a KV cache (see
+    ms_moe_ops.ops.decode_attention), float64: -> (out [B, N, 1, D], key_cache, value_cache)."""
+    q, k, v, cos, sin, mask = (np.asarray(t, np.float64) for t in (q, k, v, cos, sin, mask))
+    keys, values = (np.array(c, np.float64) for c in (key_cache, value_cache))
+    slot = int(slot)
+    if not 0 <= slot < keys.shape[2]:
+        raise ValueError(f"decode_attention: slot {slot} is outside the cache's "
+                         f"{keys.shape[2]} positions")
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+    keys[:, :, slot] = rotate(k)[:, :, 0]
+    values[:, :, slot] = v[:, :, 0]
+    b, heads, _, d = q.shape
+    kv_heads = keys.shape[1]
+    rows = rotate(q).reshape(b, kv_heads, heads // kv_heads, d)
+    scores = rows @ keys.swapaxes(-1, -2) * scaling + mask
+    scores = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = scores / scores.sum(-1, keepdims=True)
+    return (probs @ values).reshape(b, heads, 1, d), keys, values
+
+
 def _static_int8(v, step):
     return np.clip(np.rint(np.asarray(v, np.float64) / np.float64(step)), -128, 127)
 

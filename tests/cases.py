@@ -11,7 +11,8 @@ from ms_moe_ops.ops import ffn, gating, permute, swiglu
 from ms_moe_ops.ops.cast import CAST
 from ms_moe_ops.ops.dequantize import DEQUANTIZE
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
-from ms_moe_ops.ops.rms_norm import RMS_NORM
+from ms_moe_ops.ops.rms_norm import ADD_RMS_NORM, RMS_NORM
+from ms_moe_ops.ops.decode_attention import DECODE_ATTENTION
 from conftest import assert_close, numpy, rounded, run, tensor
 
 
@@ -534,6 +535,28 @@ def _rms_norm(rng, dtype, shape=(2, 3, 16), eps=1e-6):
     return RMS_NORM, [x, weight], dict(eps=eps), (ref.rms_norm(x, weight, eps),)
 
 
+def _add_rms_norm(rng, dtype, shape=(2, 3, 16), eps=1e-6):
+    x = rng.normal(0, 2, shape).astype(np.float32)
+    residual = rng.normal(0, 2, shape).astype(np.float32)
+    weight = rng.normal(1, 0.5, shape[-1:]).astype(np.float32)
+    return ADD_RMS_NORM, [x, residual, weight], dict(eps=eps), ref.add_rms_norm(x, residual,
+                                                                                  weight, eps)
+
+
+def _decode_attention(rng, dtype, b=2, heads=4, kv_heads=2, length=6, d=8, slot=3, scaling=0.35):
+    angles = rng.uniform(0, 10, (b, 1, 1, d // 2))
+    angles = np.concatenate([angles, angles], -1)
+    mask = np.where(rng.random((b, 1, 1, length)) < 0.3, -1e9, 0)
+    mask[..., slot] = 0
+    floats = [rng.normal(size=(b, heads, 1, d)), rng.normal(size=(b, kv_heads, 1, d)),
+              rng.normal(size=(b, kv_heads, 1, d)), np.cos(angles), np.sin(angles),
+              rng.normal(size=(b, kv_heads, length, d)), rng.normal(size=(b, kv_heads, length, d)),
+              mask]
+    inputs = [a.astype(np.float32) for a in floats] + [np.int32(slot)]
+    return (DECODE_ATTENTION, inputs, dict(scaling=scaling),
+            ref.decode_attention(*inputs, scaling=scaling))
+
+
 CASES = {
     "router_sigmoid": lambda r, d: _router(r, d, k=2, with_bias=True),
     "router_groups_max": lambda r, d: _router(r, d, k=4, k_group=2, group_count=4, with_bias=True),
@@ -578,6 +601,11 @@ CASES = {
     "dequantize": _dequantize,
     "rms_norm": _rms_norm,
     "rms_norm_one_row_large_eps": lambda r, d: _rms_norm(r, d, (1, 64), eps=0.5),
+    "add_rms_norm": _add_rms_norm,
+    "add_rms_norm_one_row_large_eps": lambda r, d: _add_rms_norm(r, d, (1, 64), eps=0.5),
+    "decode_attention": _decode_attention,
+    "decode_attention_one_head_per_key": lambda r, d: _decode_attention(r, d, 1, 3, 3, 4, 6, 0,
+                                                                        scaling=1.0),
 }
 
 

@@ -226,3 +226,18 @@ def test_cache_bytes_per_token(family, per_token):
     from hf_models import hf_config
     from ms_moe_ops.models import CausalLMConfig
     assert cache_bytes_per_token(CausalLMConfig.from_transformers(hf_config(family))) == per_token
+
+
+@pytest.mark.parametrize("mode", ["pynative", "graph"])
+def test_a_decoding_step_runs_the_fused_operators(mode, tmp_path_factory):
+    """A float32 decoding step's attention is decode_attention and its residual sums go with the
+    norms (add_rms_norm), on the CPU their kernels: a model that silently fell back to the
+    15-kernel composition would still give the right tokens, only slower."""
+    from ms_moe_ops.ops import record_choices
+    model, net = converted("qwen3_moe", tmp_path_factory)
+    ids, mask = left_padded(np.random.default_rng(5), model.config.vocab_size, (PROMPT, 4), PROMPT)
+    set_mode(mode)
+    with record_choices() as ran:
+        tokens = generate(net, ids, 3, attention_mask=mask, step=DecodeStep(net))
+    np.testing.assert_array_equal(tokens, their_tokens(model, ids, mask, 3))
+    assert {("decode_attention", "kernel"), ("add_rms_norm", "kernel")} <= set(ran), ran

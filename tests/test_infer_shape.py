@@ -90,7 +90,8 @@ from hypothesis import given, strategies as st  # noqa: E402
 
 from ms_moe_ops.ops.cast import CAST  # noqa: E402
 from ms_moe_ops.ops.dequantize import DEQUANTIZE  # noqa: E402
-from ms_moe_ops.ops.rms_norm import RMS_NORM  # noqa: E402
+from ms_moe_ops.ops.rms_norm import ADD_RMS_NORM, RMS_NORM  # noqa: E402
+from ms_moe_ops.ops.decode_attention import DECODE_ATTENTION  # noqa: E402
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD, MOE_FFN  # noqa: E402
 from ms_moe_ops.ops.gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD,  # noqa: E402
                                    GATING_TOP_K)
@@ -146,6 +147,14 @@ def valid_calls(draw):
     if op is RMS_NORM:
         shape = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
         return op, {}, [shape, shape[-1:]]
+    if op is ADD_RMS_NORM:
+        shape = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
+        return op, {}, [shape, shape, shape[-1:]]
+    if op is DECODE_ATTENTION:
+        kv, d = draw(st.integers(1, 3)), 2 * draw(st.integers(1, 4))
+        one = [m, kv, 1, d]
+        return op, {}, [[m, kv * draw(st.integers(1, 3)), 1, d], one, one, [m, 1, 1, d],
+                        [m, 1, 1, d], [m, kv, k, d], [m, kv, k, d], [m, 1, 1, k], []]
     with_probs = draw(st.booleans())
     attrs = dict(with_probs=with_probs, top_k=draw(st.sampled_from([0, k])) if with_probs else k)
     shapes = [[m * k, n], [m * k], [m, k] if with_probs else None]

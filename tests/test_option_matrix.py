@@ -98,6 +98,8 @@ CLASSES = {
     "grouped_matmul.padded": _flag(),
     "cast.dtype": _members("float32", "float16", "bfloat16"),
     "rms_norm.eps": {"default 1e-6": lambda v: v == 1e-6, "other": lambda v: v != 1e-6},
+    "add_rms_norm.eps": {"default 1e-6": lambda v: v == 1e-6, "other": lambda v: v != 1e-6},
+    "decode_attention.scaling": {"default 1": lambda v: v == 1.0, "other": lambda v: v != 1.0},
     "moe_token_permute.num_experts": {"given": lambda v: v >= 1},
     "moe_token_unpermute.top_k": {"0 (from probs)": lambda v: v == 0, ">0": lambda v: v > 0},
     "moe_token_unpermute.with_probs": _flag(),

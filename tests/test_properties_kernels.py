@@ -23,7 +23,8 @@ from ms_moe_ops.ops.dequantize import DEQUANTIZE  # noqa: E402
 from ms_moe_ops.ops.ffn import FFN_ACTIVATION_GRAD  # noqa: E402
 from ms_moe_ops.ops.gating import GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD  # noqa: E402
 from ms_moe_ops.ops.permute import UNPERMUTE_BACKWARD  # noqa: E402
-from ms_moe_ops.ops.rms_norm import RMS_NORM  # noqa: E402
+from ms_moe_ops.ops.rms_norm import ADD_RMS_NORM, RMS_NORM  # noqa: E402
+from ms_moe_ops.ops.decode_attention import DECODE_ATTENTION  # noqa: E402
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD  # noqa: E402
 from cases import assert_int8_matches, int8_ffn, int8_ffn_case  # noqa: E402
 from ms_moe_ops.ops import _platform  # noqa: E402
@@ -87,7 +88,7 @@ def test_every_operator_has_a_property():
                "moe_gating_top_k_grad", "swiglu_group", "swiglu_group_quant_grad", "moe_ffn",
                "moe_ffn_activation_grad", "grouped_matmul", "moe_token_permute",
                "moe_token_unpermute", "moe_token_unpermute_backward", "cast", "dequantize",
-               "rms_norm"}
+               "rms_norm", "add_rms_norm", "decode_attention"}
     assert {op.name for op in OPERATORS} == covered
 
 
@@ -501,3 +502,55 @@ def test_rms_norm(case, implementation):
     out = RMS_NORM(Tensor(x), Tensor(w), eps=eps)
     # a few float32 roundings of each output: the scale (sum, root, quotient) and two products
     agree(out, ref.rms_norm(x, w, eps), "float32", terms=4)
+
+
+@given(case=rms_norm_cases())
+@examples(20)
+def test_add_rms_norm(case, implementation):
+    rows, h, eps, seed = case
+    rng = data(seed)
+    x = (rng.normal(size=(rows, h)) * 2.0 ** rng.integers(-40, 40, (rows, 1))).astype(np.float32)
+    r = (rng.normal(size=(rows, h)) * 2.0 ** rng.integers(-40, 40, (rows, 1))).astype(np.float32)
+    w = rng.normal(size=h).astype(np.float32)
+    y, total = ADD_RMS_NORM(Tensor(x), Tensor(r), Tensor(w), eps=eps)
+    want_y, want_total = ref.add_rms_norm(x, r, w, eps)
+    np.testing.assert_array_equal(numpy(total), want_total)  # one float32 sum
+    agree(y, want_y, "float32", terms=4)
+
+
+@st.composite
+def decode_attention_cases(draw):
+    # head sizes around the 16 lanes of the dot products, more query heads per key head than
+    # one pass serves (64), caches past the threads' share
+    b, kv = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    groups = draw(st.one_of(st.integers(1, 5), st.just(65)))
+    d = draw(st.sampled_from([2, 6, 16, 18, 32, 34, 64]))
+    length = draw(st.one_of(st.integers(1, 9), st.just(700)))
+    return b, kv, groups, d, length, draw(SEEDS)
+
+
+@given(case=decode_attention_cases())
+@examples(20)
+def test_decode_attention(case, implementation):
+    b, kv, groups, d, length, seed = case
+    rng = data(seed)
+    angles = rng.uniform(0, 100, (b, 1, 1, d // 2))
+    angles = np.concatenate([angles, angles], -1)
+    slot = np.int32(rng.integers(0, length))
+    mask = np.where(rng.random((b, 1, 1, length)) < 0.3, np.finfo(np.float32).min, 0)
+    mask[..., slot] = 0
+    inputs = [rng.normal(size=(b, kv * groups, 1, d)), rng.normal(size=(b, kv, 1, d)),
+              rng.normal(size=(b, kv, 1, d)), np.cos(angles), np.sin(angles),
+              rng.normal(size=(b, kv, length, d)), rng.normal(size=(b, kv, length, d)), mask]
+    inputs = [a.astype(np.float32) for a in inputs]
+    scaling = 1 / np.sqrt(d)
+    out, keys, values = DECODE_ATTENTION(*[Tensor(a) for a in inputs], Tensor(slot),
+                                         scaling=float(scaling))
+    want = ref.decode_attention(*inputs, slot, scaling=float(scaling))
+    np.testing.assert_array_equal(numpy(values), want[2])
+    # the new key: two products of at most |k| (|cos|, |sin| <= 1) added, which may cancel
+    agree(keys, want[1], "float32", size=np.abs(want[1]) + np.abs(inputs[1]).max(), terms=2)
+    # each score is off by a few roundings of its d products, which the softmax turns into a
+    # relative error of the weights; the sum over the positions adds its own
+    size = np.abs(want[2]).max() * np.abs(inputs[0]).max() * np.abs(want[1]).max() * d
+    agree(out, want[0], "float32", size=np.full(want[0].shape, size + 1), terms=length)

@@ -1,4 +1,4 @@
-"""rms_norm (ms_moe_ops.ops.rms_norm) and the models' RMSNorm on it: the golden model in both
+"""rms_norm and add_rms_norm (ms_moe_ops.ops) and the models' RMSNorm on them: the golden model in both
 modes and at edge shapes, gradients against finite differences and against MindSpore's autograd
 of the plain composition, bad inputs, and what the models' norms compute."""
 import numpy as np
@@ -8,7 +8,7 @@ from mindspore import Tensor, ops
 
 from ms_moe_ops import reference as ref
 from ms_moe_ops.models.layers import RMSNorm
-from ms_moe_ops.ops import rms_norm
+from ms_moe_ops.ops import add_rms_norm, rms_norm
 from conftest import finite_diff, grad, nan_pool, numpy, run
 
 
@@ -124,6 +124,84 @@ def test_the_models_norm(dtype, mode, rng):
     xd = numpy(Tensor(x, dtype)).astype(np.float64)
     tol = 2e-6 if dtype == ms.float32 else 1e-2
     np.testing.assert_allclose(got, ref.rms_norm(xd, weight, 1e-5), rtol=tol, atol=tol)
+
+
+def _add_norm(x, residual, weight):
+    return add_rms_norm(x, residual, weight, 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (1, 1024), (1,), (2, 3, 1031), (64, 2048), (0, 8)],
+                         ids=["rows", "one row", "one element", "H odd", "threads", "empty"])
+def test_add_rms_norm_matches_golden(shape, mode, rng):
+    x, weight = _case(rng, shape)
+    residual = rng.normal(0, 2, shape).astype(np.float32)
+    y, total = (numpy(t) for t in run(_add_norm, Tensor(x), Tensor(residual), Tensor(weight),
+                                      mode=mode))
+    want_y, want_total = ref.add_rms_norm(x, residual, weight, 1e-6)
+    np.testing.assert_array_equal(total, want_total)  # the float32 sum, as x + residual
+    np.testing.assert_allclose(y, want_y, rtol=2e-6, atol=1e-6)
+    # the same bits as the sum, then the norm (a decoding step's residual path, before and after)
+    np.testing.assert_array_equal(y, numpy(rms_norm(Tensor(total.astype(np.float32)),
+                                                    Tensor(weight))))
+
+
+def test_add_rms_norm_gradient(mode, rng):
+    x, weight = _case(rng, (3, 8))
+    residual = rng.normal(0, 2, (3, 8)).astype(np.float32)
+    cy, cs = rng.normal(size=(3, 8)), rng.normal(size=(3, 8))
+
+    def loss(a, r, w):
+        y, total = add_rms_norm(a, r, w, 1e-3)
+        return (y * Tensor(cy, ms.float32)).sum() + (total * Tensor(cs, ms.float32)).sum()
+
+    got = grad(loss, Tensor(x), Tensor(residual), Tensor(weight), mode=mode, argnums=(0, 1, 2))
+    args = [v.astype(np.float64) for v in (x, residual, weight)]
+
+    def f(position):
+        def value(v):
+            a = list(args)
+            a[position] = v
+            total = a[0] + a[1]
+            return (ref.rms_norm(total, a[2], 1e-3) * cy).sum() + (total * cs).sum()
+        return value
+
+    for position, g in enumerate(got):
+        np.testing.assert_allclose(numpy(g), finite_diff(f(position), args[position]),
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes, dtypes, error, words", [
+    (((3, 8), (3, 7), (8,)), (np.float32,) * 3, ValueError, "'residual' must have shape [3, 8]"),
+    (((3, 8), (3, 8), (7,)), (np.float32,) * 3, ValueError, "'weight' must have shape [8]"),
+    (((3, 8), (3, 8), (8,)), (np.float32, np.float16, np.float32), TypeError,
+     "'residual' must have dtype float32"),
+    (((3, 8), (3, 8), (8,)), (np.float16, np.float16, np.float32), TypeError,
+     "must have dtype float32"),
+], ids=["residual shape", "weight width", "residual dtype", "x dtype"])
+def test_add_rms_norm_bad_inputs_are_refused(shapes, dtypes, error, words):
+    with pytest.raises(error, match="rms_norm") as info:
+        add_rms_norm(*[Tensor(np.ones(s, d)) for s, d in zip(shapes, dtypes)])
+    assert words in str(info.value)
+
+
+def test_add_rms_norm_bad_eps_is_refused():
+    with pytest.raises(ValueError, match="add_rms_norm: attribute 'eps' must be >= 0"):
+        add_rms_norm(*[Tensor(np.ones(s, np.float32)) for s in ((2, 4), (2, 4), (4,))], -1.0)
+
+
+@pytest.mark.parametrize("dtype", [ms.float32, ms.float16])
+def test_the_models_add_norm(dtype, mode, rng):
+    # float32 takes the operator; half precision the sum, then the norm
+    norm = RMSNorm(24, 1e-5)
+    norm.weight.set_data(Tensor(rng.normal(1, 0.3, 24).astype(np.float32)))
+    x, r = (Tensor(rng.normal(0, 3, (2, 1, 24)).astype(np.float32), dtype) for _ in range(2))
+
+    def both(a, b):
+        return norm.add_norm(a, b)
+
+    y, total = (numpy(t) for t in run(both, x, r, mode=mode))
+    np.testing.assert_array_equal(total, numpy(x + r))
+    np.testing.assert_array_equal(y, numpy(norm(x + r)))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])

@@ -344,6 +344,24 @@ def check_case(kernel, a, ins, outs, dtypes):
             return False  # (a zero row without eps is 0/0)
         close("y", outs["y"], ref.rms_norm(x, w, a["eps"]), "float32")
         return True
+    if kernel == "AddRmsNorm":
+        x, r, w = ins["x"], ins["residual"], ins["weight"]
+        total = (np.asarray(x, np.float32) + np.asarray(r, np.float32)).astype(np.float64)
+        if not moderate(total, w) or (a["eps"] == 0 and not np.abs(total).any(-1).all()):
+            return False  # (a zero row without eps is 0/0)
+        if np.asarray(outs["sum"], np.float32).tobytes() != total.astype(np.float32).tobytes():
+            raise Finding("add_rms_norm's sum differs from x + residual (bitwise)")
+        close("y", outs["y"], ref.rms_norm(total, w, a["eps"]), "float32")
+        return True
+    if kernel == "DecodeAttention":
+        names = ("query", "key", "value", "cos", "sin", "key_cache", "value_cache", "mask")
+        inputs = [ins[n] for n in names]
+        if not moderate(*inputs):
+            return False
+        want = ref.decode_attention(*inputs, ins["slot"], a["scaling"])
+        for name, w in zip(("out", "key_cache_out", "value_cache_out"), want):
+            close(name, outs[name], w, "float32", tol=1e-4)
+        return True
     raise Finding(f"no golden comparison for {kernel}")
 
 

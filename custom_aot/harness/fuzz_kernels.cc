@@ -710,18 +710,67 @@ Case dequantize(Gen &g) {
   return c;
 }
 
+// x's shape for the norms: rows of up to 70, one axis, or past the threads' share.
+std::vector<int64_t> norm_shape(Gen &g) {
+  std::vector<int64_t> shape = {g.size(0, 6), g.size(0, 70)};
+  if (g.chance(20)) shape.erase(shape.begin());
+  if (g.chance(10)) shape = {g.size(100, 300), g.size(1000, 1100)};
+  return shape;
+}
+
 Case rms_norm(Gen &g) {
   Case c;
   c.kernel = "RmsNorm";
-  std::vector<int64_t> shape = {g.size(0, 6), g.size(0, 70)};
-  if (g.chance(20)) shape.erase(shape.begin());
-  if (g.chance(10)) shape = {g.size(100, 300), g.size(1000, 1100)};  // past the threads' share
+  const std::vector<int64_t> shape = norm_shape(g);
   c.inputs = {{"x", g.floats("float32", shape, 1e5)},
               {"weight", g.floats("float32", {shape.back()}, 4.0)}};
   c.outputs = {{"y", harness::zeros("float32", shape)}};
   c.set_float("eps", g.chance(20) ? 0.f : 1e-6f);
   if (!g.chance(35)) return c;
   break_argument(g, c, {"x", "weight", "y"});
+  return c;
+}
+
+Case add_rms_norm(Gen &g) {
+  Case c;
+  c.kernel = "AddRmsNorm";
+  const std::vector<int64_t> shape = norm_shape(g);
+  c.inputs = {{"x", g.floats("float32", shape, 1e5)}, {"residual", g.floats("float32", shape, 1e5)},
+              {"weight", g.floats("float32", {shape.back()}, 4.0)}};
+  c.outputs = {{"y", harness::zeros("float32", shape)}, {"sum", harness::zeros("float32", shape)}};
+  c.set_float("eps", g.chance(20) ? 0.f : 1e-6f);
+  if (!g.chance(35)) return c;
+  break_argument(g, c, {"x", "residual", "weight", "y", "sum"});
+  return c;
+}
+
+Case decode_attention(Gen &g) {
+  Case c;
+  c.kernel = "DecodeAttention";
+  const int64_t b = g.size(0, 3), kv = g.size(1, 3), heads = kv * g.size(1, 4),
+                d = 2 * g.size(0, 20), length = g.chance(10) ? g.size(300, 400) : g.size(1, 12);
+  c.inputs = {{"query", g.floats("float32", {b, heads, 1, d})},
+              {"key", g.floats("float32", {b, kv, 1, d})},
+              {"value", g.floats("float32", {b, kv, 1, d})},
+              {"cos", g.floats("float32", {b, 1, 1, d}, 1.0)},
+              {"sin", g.floats("float32", {b, 1, 1, d}, 1.0)},
+              {"key_cache", g.floats("float32", {b, kv, length, d})},
+              {"value_cache", g.floats("float32", {b, kv, length, d})},
+              {"mask", g.floats("float32", {b, 1, 1, length}, 4.0)},
+              {"slot", g.ints("int32", {}, 0, length - 1)}};
+  c.outputs = {{"out", harness::zeros("float32", {b, heads, 1, d})},
+               {"key_cache_out", harness::zeros("float32", {b, kv, length, d})},
+               {"value_cache_out", harness::zeros("float32", {b, kv, length, d})}};
+  c.set_float("scaling", 0.125f);
+  if (!g.chance(35)) return c;
+  if (b > 0 && g.chance(30)) {  // a slot outside the cache
+    c.in("slot").as<int32_t>()[0] = static_cast<int32_t>(g.chance(50) ? -1 : length);
+    c.broken = true;
+    c.what = "slot";
+  } else {
+    break_argument(g, c, {"query", "key", "value", "cos", "sin", "key_cache", "value_cache", "mask",
+                          "slot", "out", "key_cache_out", "value_cache_out"});
+  }
   return c;
 }
 
@@ -745,6 +794,8 @@ const std::vector<KernelGen> &generators() {
       {"Cast", cast},
       {"Dequantize", dequantize},
       {"RmsNorm", rms_norm},
+      {"AddRmsNorm", add_rms_norm},
+      {"DecodeAttention", decode_attention},
   };
   return all;
 }

@@ -315,6 +315,50 @@ void conversions(Runner &r) {
     attrs.set_float("eps", 1e-6f);
     r.run("rms_norm", "RmsNorm", {&x, &w}, {{"y", &y}}, attrs);
   }
+  {  // add_rms_norm: 300 rows of 1031, the residual of other values
+    const int64_t rows = 300, h = 1031;
+    std::vector<double> xs(rows * h), rs(rows * h), ws(h);
+    for (int64_t i = 0; i < rows * h; ++i) {
+      xs[i] = probs[i % probs.size()] * (i % 7 - 3);
+      rs[i] = probs[(i * 3) % probs.size()] * (i % 5 - 2);
+    }
+    for (int64_t j = 0; j < h; ++j) ws[j] = 0.5 + probs[j % probs.size()];
+    Tensor x = from_values("float32", {rows, h}, xs), res = from_values("float32", {rows, h}, rs);
+    Tensor w = from_values("float32", {h}, ws);
+    Tensor y = zeros("float32", {rows, h}), sum = zeros("float32", {rows, h});
+    Attrs attrs;
+    attrs.set_float("eps", 1e-6f);
+    r.run("add_rms_norm", "AddRmsNorm", {&x, &res, &w}, {{"y", &y}, {"sum", &sum}}, attrs);
+  }
+  {  // decode_attention: 2 sequences, 16 query heads on 4 key heads of 64, 300 cached positions
+    const int64_t b = 2, heads = 16, kv = 4, length = 300, d = 64;
+    auto values = [&](int64_t n, int salt) {
+      std::vector<double> v(n);
+      for (int64_t i = 0; i < n; ++i) v[i] = probs[(i * 7 + salt) % probs.size()] * ((i + salt) % 5 - 2);
+      return v;
+    };
+    std::vector<double> cos(b * d), sin(b * d), mask(b * length);
+    for (int64_t i = 0; i < b * d; ++i) {
+      const double angle = 0.37 * static_cast<double>(i % (d / 2) + 1) * (1 + i / d);
+      cos[i] = std::cos(angle);
+      sin[i] = std::sin(angle);
+    }
+    for (int64_t i = 0; i < b * length; ++i) mask[i] = i % 11 == 3 ? -3.0e38 : 0.0;
+    Tensor q = from_values("float32", {b, heads, 1, d}, values(b * heads * d, 1));
+    Tensor k = from_values("float32", {b, kv, 1, d}, values(b * kv * d, 2));
+    Tensor v = from_values("float32", {b, kv, 1, d}, values(b * kv * d, 3));
+    Tensor c = from_values("float32", {b, 1, 1, d}, cos), s = from_values("float32", {b, 1, 1, d}, sin);
+    Tensor kc = from_values("float32", {b, kv, length, d}, values(b * kv * length * d, 4));
+    Tensor vc = from_values("float32", {b, kv, length, d}, values(b * kv * length * d, 5));
+    Tensor m = from_values("float32", {b, 1, 1, length}, mask);
+    Tensor slot = from_values("int32", {}, {123});
+    Tensor out = zeros("float32", {b, heads, 1, d}), kco = zeros("float32", {b, kv, length, d}),
+           vco = zeros("float32", {b, kv, length, d});
+    Attrs attrs;
+    attrs.set_float("scaling", 0.125f);
+    r.run("decode_attention", "DecodeAttention", {&q, &k, &v, &c, &s, &kc, &vc, &m, &slot},
+          {{"out", &out}, {"key_cache_out", &kco}, {"value_cache_out", &vco}}, attrs);
+  }
 }
 
 }  // namespace

@@ -74,12 +74,15 @@ class DecodeStep(nn.Cell):
         model = self.net.model
         b, s = ids.shape
         length = key_valid.shape[1]
-        cos, sin = model.rotary_emb(positions.reshape(-1))
+        # (the rotary embedding flattens the positions after its cast: a reshape of an input
+        # of the graph is a kernel of its own)
+        cos, sin = model.rotary_emb(positions)
         cos, sin = cos.reshape(b, 1, s, -1), sin.reshape(b, 1, s, -1)
-        key = ops.arange(length)
         if s == 1 and self.window is None:  # a decoding step: the slots up to its own
-            allowed = ops.logical_and(key <= slot, key_valid)
+            # (int32 like the slot: no cast)
+            allowed = ops.logical_and(ops.arange(length, dtype=ms.int32) <= slot, key_valid)
         else:
+            key = ops.arange(length)
             query = (slot + ops.arange(s)).reshape(-1, 1)
             allowed = key.reshape(1, -1) <= query
             if self.window is not None:
@@ -90,17 +93,31 @@ class DecodeStep(nn.Cell):
         x = model.embed_tokens(ids)
         new = ()
         if self.use_cache:
+            # each block's output sum is taken by the next norm (one kernel for both)
+            delta = None
             i = 0
             for layer in model.layers:
-                x, cache = layer(x, cos, sin, mask, caches[i], slot, self.absorb)
+                x, delta, cache = layer.step(x, delta, cos, sin, mask, caches[i], slot,
+                                             self.absorb)
                 new = new + (cache,)
                 i += 1
+            if delta is None:  # (no layers)
+                normed = model.norm(x)
+            elif s == 1:
+                normed, _ = model.norm.add_norm(x, delta)
+            else:
+                normed = model.norm(_pick(x + delta, pick, s))
         else:
             for layer in model.layers:
                 x = layer(x, cos, sin, mask)
-        x = _GATHER(x, pick.reshape(1), 1)
-        logits = self.net.head(model.norm(x))
+            normed = model.norm(_pick(x, pick, s))
+        logits = self.net.head(normed)
         return logits.reshape(b, -1), new
+
+
+def _pick(x, pick, s):
+    """x [B, S, H] at chunk index pick ([B, 1, H]); one position: x itself."""
+    return _GATHER(x, pick.reshape(1), 1) if s > 1 else x
 
 
 def _scalar(value):

@@ -8,17 +8,17 @@ from mindspore.common.initializer import Normal, initializer
 
 from ..nn._backend import project
 from ..nn.moe_layer import MoELayer
-from ..ops._platform import device_target
+from ..ops._attention import SCORES, attend, rotate, write_cache
 from ..ops._indexing import take_rows
-from ..ops.rms_norm import rms_norm
+from ..ops._platform import device_target
+from ..ops.decode_attention import decode_attention
+from ..ops.rms_norm import add_rms_norm, rms_norm
 from .config import GQAConfig
 
 __all__ = ["RMSNorm", "Embedding", "RotaryEmbedding", "GQAttention", "MLAttention", "MLP",
            "DecoderLayer", "Linear", "linear", "causal_mask", "write_cache"]
 
 _MIN = float(np.finfo(np.float32).min)
-# the Gather primitive: ops.gather changes its parameter order and semantics after 2.9.0
-_GATHER = ops.Gather()
 
 
 class RMSNorm(nn.Cell):
@@ -40,6 +40,15 @@ class RMSNorm(nn.Cell):
         if dtype != ms.float32:
             x = x.astype(dtype)
         return self.weight * x
+
+    def add_norm(self, x, residual):
+        """(norm(x + residual), x + residual): for float32 the operator add_rms_norm, one
+        kernel where the sum and the norm are two."""
+        if x.dtype == ms.float32 and residual.dtype == ms.float32 and \
+                self.weight.dtype == ms.float32:
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self.construct(total), total
 
 
 class Embedding(nn.Cell):
@@ -104,8 +113,8 @@ def _dense(n_in, n_out, bias=False):
 
 
 class RotaryEmbedding(nn.Cell):
-    """positions [S] -> (cos, sin) [S, dim] of the rotary embedding (frequencies repeated over
-    both halves, times the YaRN attention scaling), in float32."""
+    """positions [S] (or any shape, flattened) -> (cos, sin) [S, dim] of the rotary embedding
+    (frequencies repeated over both halves, times the YaRN attention scaling), in float32."""
 
     def __init__(self, rope):
         super().__init__()
@@ -122,44 +131,6 @@ class RotaryEmbedding(nn.Cell):
         return ops.cos(emb) * self.scaling, ops.sin(emb) * self.scaling
 
 
-def rotate(x, cos, sin, interleave=False):
-    """The rotary embedding on the last axis of x [..., S, d] (cos and sin [S, d], or
-    [B, 1, S, d] for positions of each sequence): halves paired (rotate_half), or neighbouring
-    dims paired (interleave; the rotated pairs come out as [evens | odds], as in transformers'
-    DeepSeek-V3, which leaves every query-key product unchanged)."""
-    d = x.shape[-1]
-    if interleave:
-        if x.shape[-2] == 1:  # one position: [evens | odds] and [odds | evens] by two gathers
-            return (_GATHER(x, _split_pairs(d, 0), x.ndim - 1) * cos
-                    + _GATHER(x, _split_pairs(d, 1), x.ndim - 1) * (sin * _half_signs(d)))
-        half = cos.shape[-1] // 2
-        cos, sin = cos[..., :half], sin[..., :half]
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return ops.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
-    half = d // 2
-    if x.shape[-2] == 1:  # one position (a decoding step): the halves swapped by one gather
-        return x * cos + _GATHER(x, _swapped_halves(d), x.ndim - 1) * (sin * _half_signs(d))
-    rotated = ops.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos + rotated * sin
-
-
-def _swapped_halves(d):
-    """int32 [d]: the indices d/2 .. d-1, 0 .. d/2-1."""
-    return Tensor(np.concatenate([np.arange(d // 2, d), np.arange(d // 2)]).astype(np.int32))
-
-
-def _split_pairs(d, first):
-    """int32 [d]: the indices of the even dims then the odd ones (first=0), or odd then even."""
-    order = np.concatenate([np.arange(first, d, 2), np.arange(1 - first, d, 2)])
-    return Tensor(order.astype(np.int32))
-
-
-def _half_signs(d):
-    """float32 [d]: -1 on the first half, +1 on the second; with _swapped_halves, rotate_half's
-    (-x2, x1) as x[swapped] * signs (the same values: a sign flip is exact), in 3 kernels, not 5."""
-    return Tensor(np.concatenate([-np.ones(d // 2), np.ones(d - d // 2)]).astype(np.float32))
-
-
 def causal_mask(length, window=None):
     """[S, S] float32 added to the attention scores: 0 where key j <= query i (and i - j <
     window), the lowest float32 elsewhere."""
@@ -172,61 +143,18 @@ def causal_mask(length, window=None):
                      ops.full((length, length), _MIN, dtype=ms.float32))
 
 
-def write_cache(buffer, new, slot):
-    """buffer [B, h, L, d] with new [B, h, S, d] written at slots slot .. slot + S - 1 (slot a
-    scalar int Tensor, so one compiled graph serves every slot); exact. One new position (a
-    decoding step) is a scatter of its B x h rows: a select over the whole cache reads and
-    writes it three times over, 2.5x slower. bfloat16 (which the CPU's scatter and select
-    lack) is written in float32."""
-    if buffer.dtype == ms.bfloat16:  # (exact: every bfloat16 is a float32)
-        return write_cache(buffer.astype(ms.float32), new.astype(ms.float32), slot).astype(
-            ms.bfloat16)
-    b, h, length = buffer.shape[0], buffer.shape[1], buffer.shape[2]
-    s = new.shape[2]
-    if s == 1:
-        shape = (b, h, 1, 1)  # index (batch, head, slot) of each new row
-        index = ops.cat((ops.broadcast_to(ops.arange(b, dtype=ms.int32).reshape(b, 1, 1, 1), shape),
-                         ops.broadcast_to(ops.arange(h, dtype=ms.int32).reshape(1, h, 1, 1), shape),
-                         ops.broadcast_to(slot.astype(ms.int32).reshape(1, 1, 1, 1), shape)), -1)
-        return ops.tensor_scatter_update(buffer, index, new)
-    # one-hot placement [L, S]: each filled slot takes exactly one new row (x * 1 + 0s)
-    place = (ops.arange(length).reshape(-1, 1) == slot + ops.arange(s).reshape(1, -1))
-    placed = ops.matmul(place.astype(new.dtype), new)
-    filled = place.any(1).reshape(1, 1, length, 1)
-    return ops.where(filled, placed, buffer)
+def _one_position(b, s, cos, mask, slot):
+    """A decoding step's arguments, as decode_attention takes them: one position, each
+    sequence's rotary position and mask row, a scalar slot."""
+    return (s == 1 and cos.ndim == 4 and cos.shape[0] == b and mask.ndim == 4
+            and mask.shape[:3] == (b, 1, 1) and slot.ndim == 0)
 
 
-# q k^T without transposing k: a transpose of the keys copies the whole cache at every
-# decoding step (3.5 ms against 0.8 ms with [8, 4, 1024, 64] keys on the CPU)
-_SCORES = ops.BatchMatMul(transpose_b=True)
-
-
-def attend(q, k, v, mask, scaling):
-    """softmax(q k^T * scaling + mask) v over q [B, heads, S, d], mask [S, L], [B, 1, S, L] or
-    [B, heads, S, L]. k and v [B, kv_heads, L, d] may have fewer heads (grouped-query
-    attention: each serves heads / kv_heads consecutive query heads). They are read as they
-    are: a key head's query heads are stacked as the rows of one product (copying the keys and
-    values per query head would copy the whole cache at every decoding step)."""
-    b, heads, s, d = q.shape
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    if groups > 1:
-        q = q.reshape(b, kv_heads, groups * s, d)
-    scores = _SCORES(q, k) * scaling
-    if groups > 1:  # each query head's rows take the mask of its positions
-        length = scores.shape[-1]
-        if mask.ndim == 4:  # [B, 1 or heads, S, L] -> [B, 1 or kv_heads, 1 or groups, S, L]
-            mask = (mask.expand_dims(2) if mask.shape[1] == 1 else
-                    mask.reshape(mask.shape[0], kv_heads, groups, s, mask.shape[-1]))
-        scores = scores.reshape(b, kv_heads, groups, s, length) + mask
-        scores = scores.reshape(b, kv_heads, groups * s, length)
-    else:
-        scores = scores + mask
-    if scores.dtype == ms.float32 and v.dtype == ms.float32:
-        out = ops.matmul(ops.softmax(scores, -1), v)
-    else:
-        out = ops.matmul(ops.softmax(scores.astype(ms.float32), -1).astype(v.dtype), v)
-    return out.reshape(b, heads, s, v.shape[-1]) if groups > 1 else out
+def _all_float32(*tensors):
+    for t in tensors:
+        if t.dtype != ms.float32:
+            return False
+    return True
 
 
 def _heads_first(x):
@@ -241,7 +169,8 @@ class GQAttention(nn.Cell):
     """Grouped-query attention (Qwen3-MoE with q/k RMSNorm, Qwen2-MoE with q/k/v biases,
     Mixtral; see GQAConfig). x [B, S, H] -> [B, S, H]; with a cache (k, v), each
     [B, kv_heads, L, head_dim], the new keys and values are written at `slot` and the queries
-    attend over the whole cache (mask [B, 1, S, L]): -> (out, the new cache)."""
+    attend over the whole cache (mask [B, 1, S, L]): -> (out, the new cache). One position in
+    float32 (a decoding step) takes the operator decode_attention: one kernel on the CPU."""
 
     def __init__(self, config, hidden_size):
         super().__init__()
@@ -265,6 +194,12 @@ class GQAttention(nn.Cell):
         v = _heads_first(self.v_proj(x).reshape(b, s, -1, d))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if cache is not None and _one_position(b, s, cos, mask, slot) and \
+                _all_float32(q, k, v, cos, sin, mask, *cache):
+            # a decoding step: rotation, cache write and attention in one operator
+            out, k, v = decode_attention(_heads_first(q), _heads_first(k), v, cos, sin, cache[0],
+                                         cache[1], mask, slot, scaling=self.scaling)
+            return self.o_proj(out.reshape(b, s, -1)), (k, v)
         q = rotate(_heads_first(q), cos, sin)
         k = rotate(_heads_first(k), cos, sin)
         if cache is not None:
@@ -345,8 +280,8 @@ class MLAttention(nn.Cell):
         b, h, s = q_nope.shape[0], self.heads, q_nope.shape[2]
         length = latent.shape[2]
         q_latent = ops.matmul(q_nope, ops.broadcast_to(w_k, (b, h, self.nope, self.latent)))
-        scores = (_SCORES(q_latent.reshape(b, 1, h * s, self.latent), latent)
-                  + _SCORES(q_rot.reshape(b, 1, h * s, self.rope), k_rot))
+        scores = (SCORES(q_latent.reshape(b, 1, h * s, self.latent), latent)
+                  + SCORES(q_rot.reshape(b, 1, h * s, self.rope), k_rot))
         scores = scores.reshape(b, h, s, length) * self.scaling + mask
         probs = ops.softmax(scores.astype(ms.float32), -1).astype(latent.dtype)
         read = ops.matmul(probs.reshape(b, 1, h * s, length), latent)
@@ -388,9 +323,20 @@ class DecoderLayer(nn.Cell):
         if cache is None:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
             return x + self.mlp(self.post_attention_layernorm(x))
-        if self.mla:
-            h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slot, absorb)
+        out, delta, cache = self.step(x, None, cos, sin, mask, cache, slot, absorb)
+        return out + delta, cache
+
+    def step(self, x, delta, cos, sin, mask, cache, slot, absorb=False):
+        """The block with a cache, its input x + delta (delta None: x) and its output left as
+        (residual, delta), so that each residual sum is taken by the next norm
+        (RMSNorm.add_norm: one kernel for the sum and the norm): -> (residual, delta, cache)."""
+        if delta is None:
+            h = self.input_layernorm(x)
         else:
-            h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slot)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+            h, x = self.input_layernorm.add_norm(x, delta)
+        if self.mla:
+            h, cache = self.self_attn(h, cos, sin, mask, cache, slot, absorb)
+        else:
+            h, cache = self.self_attn(h, cos, sin, mask, cache, slot)
+        h, x = self.post_attention_layernorm.add_norm(x, h)
+        return x, self.mlp(h), cache

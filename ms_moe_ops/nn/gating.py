@@ -8,6 +8,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 from mindspore.common.initializer import Normal, initializer
 
+from .. import _compat
 from ..ops.gating import GATING_TOP_K, moe_gating_top_k
 from ..ops._indexing import count
 from ._backend import project
@@ -21,6 +22,8 @@ __all__ = ["GatingTopK"]
 _SCORE_FUNCS = {"sigmoid": 1, "softmax": 0}
 # the primitives: ops.assign and ops.assign_add are deprecated (MindSpore 2.10)
 _ASSIGN, _ASSIGN_ADD = ops.Assign(), ops.AssignAdd()
+# adds to a Parameter's entries at indices in place (duplicates add up)
+_SCATTER_ADD = ops.ScatterNdAdd()
 
 
 def _unroutable(num_experts, top_k, n_group, topk_group):
@@ -138,6 +141,14 @@ class GatingTopK(SelfCastingCell):
             routed_scaling_factor=self.routed_scaling_factor)
         if self.gather_unnormalised:
             weights = ops.gather_elements(scores, 1, expert_idx) * self.routed_scaling_factor
+        if (not self.training and self.count_reducer is None and self.loss_scaler is None
+                and _compat.is_constant(expert_idx.size)):
+            # inference (a decoding step): each routed pair adds one to its expert's count, one
+            # kernel instead of the count's four and the sum
+            ones = Tensor(np.ones(expert_idx.size, np.float32))
+            added = _SCATTER_ADD(self.tokens_per_expert, expert_idx.reshape(-1, 1), ones)
+            # (stop_gradient: a gradient taken in inference mode must not look for its bprop)
+            return ops.depend(weights, ops.stop_gradient(added)), expert_idx
         counts = ops.stop_gradient(count(expert_idx, self.num_experts).astype(ms.float32))
         load = counts
         if self.count_reducer is not None:

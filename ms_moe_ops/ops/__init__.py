@@ -1,5 +1,6 @@
 """Functional API: every operator of the package (declarations and kernels: one module each)."""
 from .cast import CAST, cast
+from .decode_attention import DECODE_ATTENTION, decode_attention
 from .dequantize import DEQUANTIZE, dequantize
 from .ffn import FFN_ACTIVATION_GRAD, MOE_FFN, moe_ffn
 from .gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD, GATING_TOP_K,
@@ -7,7 +8,7 @@ from .gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_BACKWARD, GATI
 from .grouped_matmul import GROUPED_MATMUL, grouped_matmul
 from .permute import (PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD, moe_token_permute,
                       moe_token_unpermute, moe_token_unpermute_backward)
-from .rms_norm import RMS_NORM, rms_norm
+from .rms_norm import ADD_RMS_NORM, RMS_NORM, add_rms_norm, rms_norm
 from .swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD, swiglu_group, swiglu_group_quant_grad
 from ._op import record_choices  # noqa: F401 (ms_moe_ops.ops.record_choices)
 
@@ -15,7 +16,7 @@ from ._op import record_choices  # noqa: F401 (ms_moe_ops.ops.record_choices)
 # the README's implementation table go through.
 OPERATORS = (GATING_TOP_K, GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_GRAD, SWIGLU_GROUP,
              SWIGLU_GROUP_QUANT_GRAD, MOE_FFN, FFN_ACTIVATION_GRAD, GROUPED_MATMUL, PERMUTE,
-             UNPERMUTE, UNPERMUTE_BACKWARD, CAST, DEQUANTIZE, RMS_NORM)
+             UNPERMUTE, UNPERMUTE_BACKWARD, CAST, DEQUANTIZE, RMS_NORM, ADD_RMS_NORM, DECODE_ATTENTION)
 
 __all__ = [
     "moe_gating_top_k", "moe_gating_top_k_backward",

@@ -22,6 +22,11 @@ from . import _platform
 _GATHER = ops.Gather()
 
 
+def take_along(x, index, axis):
+    """x's slices at index along axis (MindSpore's Gather)."""
+    return _GATHER(x, index, axis)
+
+
 def take_rows(x, index):
     """x[index] along the first axis (index int32/int64 of any shape)."""
     return _GATHER(x, index, 0)

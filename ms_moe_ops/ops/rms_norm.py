@@ -1,6 +1,8 @@
 """rms_norm: y = weight * (x / sqrt(mean(x^2) + eps)) over the last axis, in float32: the models'
 RMSNorm (ms_moe_ops.models.layers), which transformers' MoE families put before every attention
 and MoE block, on the attention's queries and keys (Qwen3-MoE) and on MLA's latents.
+add_rms_norm: the same of x + residual, with the sum (a residual connection, then the next
+block's norm: a decoding step's, MindSpore's AddRmsNorm, aclnnAddRmsNorm, on Ascend).
 
 Implementations: the CPU kernel; MindSpore's RmsNorm (aclnnRmsNorm) on Ascend; MindSpore ops
 everywhere else. As MindSpore ops a norm is six kernels (square, mean, add, rsqrt, two products):
@@ -51,7 +53,8 @@ def _composed(a):
 
 
 def _builtin_fits(a, args, soc):
-    return 0 < a["eps"] <= 1, f"MindSpore's RmsNorm takes eps in (0, 1], got {a['eps']}"
+    return (0 < a["eps"] <= 1,
+            f"MindSpore's RmsNorm and AddRmsNorm take eps in (0, 1], got {a['eps']}")
 
 
 def _builtin(a):
@@ -94,7 +97,80 @@ RMS_NORM = OpDef(
 )
 
 
+_ADD_OP = "add_rms_norm"
+
+
+def _add_infer(a, x, residual, weight):
+    (y,) = _infer(a, x, weight)
+    check_shape(_ADD_OP, "residual", residual, x, "x's shape")
+    return y, list(x)
+
+
+def _add_infer_dtype(a, x, residual, weight):
+    check_dtype(_ADD_OP, "residual", residual, ("float32",))
+    return _infer_dtype(a, x, weight) * 2
+
+
+def _add_check_attrs(a):
+    if not a["eps"] >= 0:
+        raise attr_error(_ADD_OP, "eps", ">= 0", a["eps"])
+
+
+def _add_composed(a):
+    norm = _composed(a)
+
+    def f(x, residual, weight):
+        total = x + residual
+        return norm(total, weight), total
+
+    return f
+
+
+def _add_builtin(a):
+    eps = a["eps"]
+
+    def f(x, residual, weight):
+        y, _, total = ops.add_rms_norm(x, residual, weight, eps)
+        return y, total
+
+    return f
+
+
+def _add_bprop(a):
+    norm_bprop = _bprop(a)
+
+    def bprop(x, residual, weight, out, dout):
+        dy, dtotal = dout
+        dx, dweight = norm_bprop(x + residual, weight, out[0], dy)
+        dx = dx + dtotal
+        return dx, dx, dweight
+
+    return bprop
+
+
+ADD_RMS_NORM = OpDef(
+    name=_ADD_OP,
+    inputs=("x", "residual", "weight"),
+    outputs=("y", "sum"),
+    attrs=(Attr("eps", float, 1e-6),),
+    check_attrs=_add_check_attrs,
+    infer=_add_infer,
+    infer_dtype=_add_infer_dtype,
+    impls=(kernel("AddRmsNorm"),
+           builtin(_add_builtin, socs=(A2, A3, ASCEND_950), primitive="add_rms_norm",
+                   kernel="aclnnAddRmsNorm", supports=_builtin_fits),
+           composition(_add_composed)),
+    bprop=_add_bprop,
+)
+
+
 def rms_norm(x, weight, eps=1e-6):
     """x float32 [..., H], weight float32 [H] -> float32 [..., H]:
     `weight * (x / sqrt(mean(x^2, -1) + eps))`. Differentiable in x and weight."""
     return RMS_NORM(x, weight, eps=eps)
+
+
+def add_rms_norm(x, residual, weight, eps=1e-6):
+    """x, residual float32 [..., H], weight float32 [H] -> (y, sum) float32 [..., H]: sum = x +
+    residual and y = rms_norm(sum, weight, eps). Differentiable in x, residual and weight."""
+    return ADD_RMS_NORM(x, residual, weight, eps=eps)
