@@ -57,7 +57,7 @@ struct Dims {
 void serve(const Dims &n, int64_t b, int64_t g, int64_t slot, float scaling, const float *q,
            const float *k, const float *v, const float *cos, const float *sin, const float *kc,
            const float *vc, const float *mask, float *out, float *kc_out, float *vc_out,
-           std::vector<float> &scores) {
+           std::vector<float> &scores, std::vector<float> &rotated) {
   const int64_t d = n.d, length = n.length, group = n.heads / n.kv_heads;
   const int64_t head = (b * n.kv_heads + g) * length * d;
   const float *cos_b = cos + b * d, *sin_b = sin + b * d, *mask_b = mask + b * length;
@@ -70,7 +70,7 @@ void serve(const Dims &n, int64_t b, int64_t g, int64_t slot, float scaling, con
 
   for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
     const int64_t hs = std::min<int64_t>(kMaxGroup, group - h0);
-    std::vector<float> rotated(hs * d);
+    rotated.resize(hs * d);
     for (int64_t h = 0; h < hs; ++h)
       rotate_half(q + ((b * n.heads) + g * group + h0 + h) * d, cos_b, sin_b, d, &rotated[h * d]);
     scores.assign(hs * length, 0.0f);
@@ -138,11 +138,11 @@ int decode_attention(const Args &args, Extra *extra) {
   float *os = out.as<float>(), *kco = kc_out.as<float>(), *vco = vc_out.as<float>();
 #pragma omp parallel if (worth_threads(bytes))
   {
-    std::vector<float> scores;
+    std::vector<float> scores, rotated;  // (each thread's, reused by its tasks)
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t)
       serve(n, t / n.kv_heads, t % n.kv_heads, at, scaling, qs, ks, vs, cs, ss, kcs, vcs, ms, os,
-            kco, vco, scores);
+            kco, vco, scores, rotated);
   }
   return 0;
 }

@@ -7,6 +7,7 @@ upgrade breaks this file, visibly, and nothing else.
 import contextlib
 import functools
 
+from mindspore import nn as _nn
 from mindspore.ops import functional as _F
 from mindspore.ops.primitive import constexpr as _constexpr
 
@@ -88,6 +89,13 @@ def register_opaque_to_rewrite(*cells):
     opaque = getattr(namespace, "_subtree_black_list", None)
     if isinstance(opaque, list):
         opaque.extend(c for c in cells if c not in opaque)
+
+
+def amp_inner_cell(cell):
+    """The Cell inside mindspore.amp's output-casting wrapper (what auto_mixed_precision O2/O3
+    returns: the converted network, its output cast to float32; private `_backbone`), or None."""
+    inner = getattr(cell, "_backbone", None)
+    return inner if isinstance(inner, _nn.Cell) else None
 
 
 # -- platforms ------------------------------------------------------------------------------------

@@ -223,3 +223,23 @@ def test_half_precision_router_state_is_refused(mode):
     _set_mode(mode)
     with pytest.raises(TypeError, match=r"'tokens_per_expert', 'aux_losses'\) must stay float32"):
         layer(tensor(np.zeros((3, 8), np.float32)))
+
+
+@pytest.mark.parametrize("amp_dtype", list(AMP_DTYPES))
+def test_rotary_embedding_stays_float32_in_a_half_precision_model(amp_dtype, mode):
+    """O2/O3 cast every float input inside a Cell: the rotary positions and angles would be
+    half precision too, off by whole radians past a few hundred positions (and the CPU has no
+    half-precision cos). The model's RotaryEmbedding keeps them float32."""
+    pytest.importorskip("transformers")
+    from hf_models import hf_config
+    from ms_moe_ops.models import CausalLMConfig, MoECausalLM
+
+    ms.set_context(mode=ms.GRAPH_MODE if mode == "graph" else ms.PYNATIVE_MODE)
+    net = MoECausalLM(CausalLMConfig.from_transformers(hf_config("qwen3_moe", layers=1)))
+    rotary = net.model.rotary_emb
+    positions = Tensor(np.array([1, 300, 1001, 4000], np.int32))
+    expected = [t.asnumpy() for t in rotary(positions)]
+    ms.amp.auto_mixed_precision(net, "O2", AMP_DTYPES[amp_dtype])
+    for got, want in zip(rotary(positions), expected):
+        assert got.dtype == ms.float32
+        np.testing.assert_array_equal(got.asnumpy(), want)

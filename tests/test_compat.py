@@ -111,6 +111,15 @@ def test_mixed_precision_switch_and_rewrite_list_exist():
     cell.mixed_precision_type = _compat.NO_AUTOMATIC_CASTS  # accepted by Cell
 
 
+def test_the_amp_wrapper_holds_the_converted_network():
+    net = nn.Dense(2, 2)
+    wrapped = ms.amp.auto_mixed_precision(net, "O2", ms.bfloat16)
+    assert _compat.amp_inner_cell(wrapped) is net, (
+        f"auto_mixed_precision O2 returned a {type(wrapped).__name__} without the network as "
+        f"its _backbone: generate would not find the model inside it")
+    assert _compat.amp_inner_cell(net) is None
+
+
 def test_mindspore_warnings_reach_its_logger():
     import logging
 

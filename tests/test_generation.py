@@ -207,7 +207,7 @@ def test_choose_restricts_and_follows_the_distribution():
 
 def test_eos_and_errors(tmp_path_factory):
     """A row that emitted eos is padded with it and decoding stops when all have; a mask of
-    the wrong shape is an error."""
+    the wrong shape and a Cell that is not a model are errors."""
     model, net = converted("qwen3_moe", tmp_path_factory)
     ids = np.random.default_rng(6).integers(0, 64, (1, 4))
     set_mode("pynative")
@@ -218,6 +218,16 @@ def test_eos_and_errors(tmp_path_factory):
     np.testing.assert_array_equal(stopped, greedy[:, :first + 1])
     with pytest.raises(ValueError, match="attention_mask"):
         generate(net, ids, 2, attention_mask=np.ones((1, 3)))
+    with pytest.raises(TypeError, match="MoECausalLM.*got Dense"):
+        generate(ms.nn.Dense(2, 2), ids, 2)
+    # a model in mindspore.amp's wrapper (auto_mixed_precision O2/O3) decodes as the model
+
+    class Wrapped(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self._backbone = net
+
+    np.testing.assert_array_equal(generate(Wrapped(), ids, 2), greedy[:, :6])
 
 
 @pytest.mark.parametrize("family, per_token", [("deepseek_v3", (16 + 4) * 4 * 3),

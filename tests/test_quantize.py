@@ -221,6 +221,25 @@ def test_whole_model_logits_stay_close(quant_mode, mode, rng):
         np.sort(per_position)
 
 
+def test_quantised_generation_counts_every_routed_token(capfd, rng):
+    """A quantised model's decoding steps (GRAPH: one compiled step; its experts dequantise only
+    the experts with rows) keep counting the tokens each expert gets, as the float model's do,
+    and compile without MindSpore dropping a node it took for a side effect (a warning the
+    sort of _experts_with_rows once raised)."""
+    from ms_moe_ops.models import generate
+
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ids = rng.integers(0, 64, (2, 5)).astype(np.int32)
+    net = ms_moe_ops.quantize(_causal_lm(), "w8a16")
+    ms_moe_ops.reset_expert_load(net)
+    capfd.readouterr()
+    generate(net, ids, 4)
+    assert "eliminated by mistake" not in capfd.readouterr().err
+    # every token of the prompt and of the 3 decoding steps, top-2, in each of the MoE layers
+    load = np.asarray(ms_moe_ops.expert_load(net)).reshape(2, -1)
+    np.testing.assert_array_equal(load.sum(-1), [2 * (5 + 3) * 2] * 2)
+
+
 # -- inference only ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("quant_mode", ["int8", "w8a16"])

@@ -8,6 +8,8 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from .._compat import amp_inner_cell
+from ..ops._indexing import take_along
 from .config import GQAConfig, MLAConfig
 
 __all__ = ["generate", "DecodeStep", "new_cache", "cache_bytes_per_token"]
@@ -19,8 +21,6 @@ _ZERO, _LOWEST = Tensor(0.0, ms.float32), Tensor(_MIN, ms.float32)
 # Cell whose phase is "increment" and has a graph for it skips compile(), the arguments' key
 # and the walk over every sub-Cell, about half a millisecond of each decoding step)
 _DECODE_PHASE = "increment"
-# the Gather primitive: ops.gather changes its parameter order and semantics after 2.9.0
-_GATHER = ops.Gather()
 
 
 def new_cache(config, batch, length, dtype=ms.float32):
@@ -64,7 +64,7 @@ class DecodeStep(nn.Cell):
         # inference mode (quantised experts run only there); the routers still count the
         # tokens each expert gets (expert_load)
         self.set_train(False)
-        self.net = net
+        self.net = net = causal_lm_of(net)
         self.use_cache = use_cache
         self.absorb = absorb
         attention = net.config.attention
@@ -115,9 +115,22 @@ class DecodeStep(nn.Cell):
         return logits.reshape(b, -1), new
 
 
+def causal_lm_of(net):
+    """net itself, or the model inside MindSpore's mixed-precision wrapper (auto_mixed_precision
+    O2/O3 returns the converted model wrapped to cast its output to float32; decoding reads the
+    logits as they are); TypeError for anything else."""
+    inner = amp_inner_cell(net)
+    if not hasattr(net, "model") and inner is not None:
+        net = inner
+    if not (hasattr(net, "model") and hasattr(net, "head") and hasattr(net, "config")):
+        raise TypeError(f"generation takes a MoECausalLM (ms_moe_ops.models), got "
+                        f"{type(net).__name__}")
+    return net
+
+
 def _pick(x, pick, s):
     """x [B, S, H] at chunk index pick ([B, 1, H]); one position: x itself."""
-    return _GATHER(x, pick.reshape(1), 1) if s > 1 else x
+    return take_along(x, pick.reshape(1), 1) if s > 1 else x
 
 
 def _scalar(value):
@@ -172,6 +185,7 @@ def generate(net, ids, max_new_tokens, eos_token_id=None, *, attention_mask=None
     every later token). Without it, every token reruns the whole sequence in a buffer of that
     size (one graph too, cost growing with the square of the length). step: a DecodeStep of net
     to reuse (its compiled graphs) across calls."""
+    net = causal_lm_of(net)
     ids = ids.asnumpy() if isinstance(ids, Tensor) else np.asarray(ids)
     batch, start = ids.shape
     total = start + max_new_tokens

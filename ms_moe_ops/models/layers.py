@@ -7,6 +7,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from ..nn._backend import project
+from ..nn._precision import SelfCastingCell
 from ..nn.moe_layer import MoELayer
 from ..ops._attention import SCORES, attend, rotate, write_cache
 from ..ops._indexing import take_rows
@@ -112,9 +113,11 @@ def _dense(n_in, n_out, bias=False):
     return Linear(n_in, n_out, bias=bias, weight_init=Normal(0.02))
 
 
-class RotaryEmbedding(nn.Cell):
+class RotaryEmbedding(SelfCastingCell):
     """positions [S] (or any shape, flattened) -> (cos, sin) [S, dim] of the rotary embedding
-    (frequencies repeated over both halves, times the YaRN attention scaling), in float32."""
+    (frequencies repeated over both halves, times the YaRN attention scaling), in float32
+    whatever the mixed precision (a half-precision position or angle is off by whole radians
+    past a few hundred positions; the attention casts cos and sin to its own dtype)."""
 
     def __init__(self, rope):
         super().__init__()

@@ -57,8 +57,8 @@ def _experts_with_rows(counts, rows):
     n = max(rows, 1)
     ids = ops.arange(counts.shape[0], dtype=ms.int32)
     key = ops.where(counts > 0, ids, ids + counts.shape[0])  # distinct: the sort is exact
-    _, order = ops.sort(key)
-    pick = order[:n].astype(ms.int32)
+    # (the indices alone: an unused sorted-values output is a node GRAPH mode warns about)
+    pick = ops.sort(key)[1][:n].astype(ms.int32)
     kept = take_rows(counts, pick)
     last = counts.sum() - kept[:n - 1].sum() if n > 1 else counts.sum()
     last = ops.where(counts.min() < 0, counts.min(), last)

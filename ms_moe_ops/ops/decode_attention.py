@@ -33,7 +33,7 @@ def _infer(a, query, key, value, cos, sin, key_cache, value_cache, mask, slot):
                              f"{list(query)}")
         check_shape(_OP, "key_cache", key_cache, [query[0], -1, -1, query[3]],
                     "[B, kv_heads, L, D]: query's B and D")
-        b, kv_heads, length, d = key_cache
+        kv_heads, length, d = key_cache[1:]
         heads = query[1]
         if heads >= 0 and kv_heads >= 0 and (kv_heads == 0 or heads % kv_heads):
             raise ValueError(f"{_OP}: the query heads ({heads}) must be a multiple of the key "

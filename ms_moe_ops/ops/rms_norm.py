@@ -20,9 +20,12 @@ from ._platform import A2, A3, ASCEND_950
 _OP = "rms_norm"
 
 
-def _check_attrs(a):
-    if not a["eps"] >= 0:
-        raise attr_error(_OP, "eps", ">= 0", a["eps"])
+def _eps_at_least_zero(op):
+    """The attribute check of op (rms_norm, add_rms_norm): eps >= 0."""
+    def check(a):
+        if not a["eps"] >= 0:
+            raise attr_error(op, "eps", ">= 0", a["eps"])
+    return check
 
 
 def _infer(a, x, weight):
@@ -86,7 +89,7 @@ RMS_NORM = OpDef(
     inputs=("x", "weight"),
     outputs=("y",),
     attrs=(Attr("eps", float, 1e-6),),
-    check_attrs=_check_attrs,
+    check_attrs=_eps_at_least_zero(_OP),
     infer=_infer,
     infer_dtype=_infer_dtype,
     impls=(kernel("RmsNorm"),
@@ -109,11 +112,6 @@ def _add_infer(a, x, residual, weight):
 def _add_infer_dtype(a, x, residual, weight):
     check_dtype(_ADD_OP, "residual", residual, ("float32",))
     return _infer_dtype(a, x, weight) * 2
-
-
-def _add_check_attrs(a):
-    if not a["eps"] >= 0:
-        raise attr_error(_ADD_OP, "eps", ">= 0", a["eps"])
 
 
 def _add_composed(a):
@@ -153,7 +151,7 @@ ADD_RMS_NORM = OpDef(
     inputs=("x", "residual", "weight"),
     outputs=("y", "sum"),
     attrs=(Attr("eps", float, 1e-6),),
-    check_attrs=_add_check_attrs,
+    check_attrs=_eps_at_least_zero(_ADD_OP),
     infer=_add_infer,
     infer_dtype=_add_infer_dtype,
     impls=(kernel("AddRmsNorm"),
