@@ -152,6 +152,11 @@ MOE_EXPORT Shape DequantizeInferShape(int *ndims, int64_t **shapes, void *) {
   return {dim(shape_of(ndims, shapes, 2), 0, 1), dim(w, 1, 3), dim(w, 2, 3)};
 }
 
+// weight_quant_grouped_matmul: x [M, K], weight [E, K, N], scale [E, N], group_list [E] -> [M, N]
+MOE_EXPORT Shape WeightQuantGroupedMatmulInferShape(int *ndims, int64_t **shapes, void *) {
+  return {dim(shape_of(ndims, shapes, 0), 0, 2), dim(shape_of(ndims, shapes, 1), 2, 3)};
+}
+
 // rms_norm: x [..., H], weight [H] -> y of x's shape
 MOE_EXPORT Shape RmsNormInferShape(int *ndims, int64_t **shapes, void *) {
   return shape_of(ndims, shapes, 0);

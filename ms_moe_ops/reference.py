@@ -504,6 +504,14 @@ def dequantize(weight, scale, index):
         return w * np.asarray(scale, np.float32)[index][:, None, :]
 
 
+def weight_quant_grouped_matmul(x, weight, scale, group_list):
+    """x [M, K], weight int8 [E, K, N], scale [E, N], group_list [E] rows per expert (at most M
+    in all) -> float64 [M, N]: x[rows of e] @ (weight[e] * scale[e]), the rows past the last
+    expert's zero."""
+    w = np.asarray(weight, np.float64) * np.asarray(scale, np.float64)[:, None, :]
+    return grouped_matmul(x, w, group_list)
+
+
 def rms_norm(x, weight, eps=1e-6):
     """x [..., H], weight [H] -> float64 weight * x / sqrt(mean(x^2) + eps) over the last axis."""
     x = np.asarray(x, np.float64)

@@ -13,6 +13,7 @@ from ms_moe_ops.ops.dequantize import DEQUANTIZE
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL
 from ms_moe_ops.ops.rms_norm import ADD_RMS_NORM, RMS_NORM
 from ms_moe_ops.ops.decode_attention import DECODE_ATTENTION
+from ms_moe_ops.ops.weight_quant_grouped_matmul import WEIGHT_QUANT_GROUPED_MATMUL
 from conftest import assert_close, numpy, rounded, run, tensor
 
 
@@ -528,6 +529,15 @@ def _dequantize(rng, dtype):
     return DEQUANTIZE, [weight, scale, index], {}, (ref.dequantize(weight, scale, index),)
 
 
+def _weight_quant_gmm(rng, dtype, counts=(2, 0, 3), padding=0):
+    """Weight-only int8 experts' product: an expert without rows, rows past the last (padded)."""
+    counts = np.array(counts, np.int64)
+    x = rng.normal(size=(int(counts.sum()) + padding, 6)).astype(np.float32)
+    weight = rng.integers(-128, 128, (len(counts), 6, 5)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.1, (len(counts), 5)).astype(np.float32)
+    return (WEIGHT_QUANT_GROUPED_MATMUL, [x, weight, scale, counts], dict(padded=padding > 0),
+            (ref.weight_quant_grouped_matmul(x, weight, scale, counts),))
+
 
 def _rms_norm(rng, dtype, shape=(2, 3, 16), eps=1e-6):
     x = rng.normal(0, 2, shape).astype(np.float32)
@@ -599,6 +609,8 @@ CASES = {
     "cast_to_float16": lambda r, d: _cast(r, d, "float16"),
     "cast_to_float32": lambda r, d: _cast(r, d, "float32"),
     "dequantize": _dequantize,
+    "weight_quant_grouped_matmul": _weight_quant_gmm,
+    "weight_quant_grouped_matmul_padded": lambda r, d: _weight_quant_gmm(r, d, (0, 1, 0), 2),
     "rms_norm": _rms_norm,
     "rms_norm_one_row_large_eps": lambda r, d: _rms_norm(r, d, (1, 64), eps=0.5),
     "add_rms_norm": _add_rms_norm,

@@ -36,7 +36,8 @@ def _apply(op, inputs, attrs, mode="pynative", dtype="float32"):
 GRAPH_CASES = ["router_groups_top2", "router_backward", "router_softmax_backward", "router_grad",
                "swiglu", "swiglu_backward", "activation_grad_gelu", "moe_ffn_gelu_cumulative",
                "grouped_matmul", "permute", "unpermute", "unpermute_backward", "cast",
-               "dequantize", "rms_norm", "add_rms_norm", "decode_attention"]
+               "dequantize", "rms_norm", "add_rms_norm", "decode_attention",
+               "weight_quant_grouped_matmul_padded"]
 
 
 @pytest.mark.parametrize("case,mode", [(c, "pynative") for c in sorted(CASES)] +
@@ -115,6 +116,8 @@ GRADIENT_CASES = {
     "permute": ("permute", (0,), (0,)),
     "unpermute": ("unpermute", (0, 2), (0,)),
     "dequantize": ("dequantize", (1,), (0,)),
+    "weight_quant_grouped_matmul": ("weight_quant_grouped_matmul", (0, 2), (0,)),
+    "weight_quant_grouped_matmul_padded": ("weight_quant_grouped_matmul_padded", (0, 2), (0,)),
     "rms_norm": ("rms_norm", (0, 1), (0,)),
     "add_rms_norm": ("add_rms_norm", (0, 1, 2), (0, 1)),
     "decode_attention": ("decode_attention", (0, 1, 2, 3, 4, 5, 6), (0, 1, 2)),
@@ -138,6 +141,10 @@ _GOLDEN = {
     "permute": lambda a: lambda x, i: ref.moe_token_permute(x, i, a["num_experts"]),
     "unpermute": lambda a: lambda p, s, q: (ref.moe_token_unpermute(p, s, q, a["top_k"]),),
     "dequantize": lambda a: lambda w, s, i: (np.asarray(w, np.float64)[i] * s[i][:, None, :],),
+    "weight_quant_grouped_matmul": lambda a: lambda x, w, s, c: (
+        ref.weight_quant_grouped_matmul(x, w, s, c),),
+    "weight_quant_grouped_matmul_padded": lambda a: lambda x, w, s, c: (
+        ref.weight_quant_grouped_matmul(x, w, s, c),),
     "rms_norm": lambda a: lambda x, w: (ref.rms_norm(x, w, a["eps"]),),
     "add_rms_norm": lambda a: lambda x, r, w: (ref.rms_norm(x + r, w, a["eps"]), x + r),
     "decode_attention": lambda a: lambda *inputs: ref.decode_attention(*inputs, a["scaling"]),

@@ -98,6 +98,7 @@ from ms_moe_ops.ops.gating import (GATING_BACKWARD, GATING_GRAD, GATING_SOFTMAX_
 from ms_moe_ops.ops.grouped_matmul import GROUPED_MATMUL  # noqa: E402
 from ms_moe_ops.ops.permute import PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD  # noqa: E402
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD  # noqa: E402
+from ms_moe_ops.ops.weight_quant_grouped_matmul import WEIGHT_QUANT_GROUPED_MATMUL  # noqa: E402
 from conftest import examples  # noqa: E402
 
 DIM = st.integers(1, 9)
@@ -136,6 +137,9 @@ def valid_calls(draw):
         g = draw(DIM)
         w = [g, n, k] if form == "transpose_weight" else [g, k, n]
         return op, attrs, [[m, k], w, [g], opt([g, n])]
+    if op is WEIGHT_QUANT_GROUPED_MATMUL:
+        e = draw(DIM)
+        return op, {}, [[m, k], [e, k, n], [e, n], [e]]
     if op is PERMUTE:
         return op, dict(num_experts=draw(DIM)), [[m, n], [m, k]]
     if op is CAST:

@@ -96,6 +96,7 @@ CLASSES = {
     "grouped_matmul.transpose_weight": _flag(),
     "grouped_matmul.cumulative": _flag(),
     "grouped_matmul.padded": _flag(),
+    "weight_quant_grouped_matmul.padded": _flag(),
     "cast.dtype": _members("float32", "float16", "bfloat16"),
     "rms_norm.eps": {"default 1e-6": lambda v: v == 1e-6, "other": lambda v: v != 1e-6},
     "add_rms_norm.eps": {"default 1e-6": lambda v: v == 1e-6, "other": lambda v: v != 1e-6},

@@ -26,6 +26,7 @@ from ms_moe_ops.ops.permute import UNPERMUTE_BACKWARD  # noqa: E402
 from ms_moe_ops.ops.rms_norm import ADD_RMS_NORM, RMS_NORM  # noqa: E402
 from ms_moe_ops.ops.decode_attention import DECODE_ATTENTION  # noqa: E402
 from ms_moe_ops.ops.swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD  # noqa: E402
+from ms_moe_ops.ops.weight_quant_grouped_matmul import WEIGHT_QUANT_GROUPED_MATMUL  # noqa: E402
 from cases import assert_int8_matches, int8_ffn, int8_ffn_case  # noqa: E402
 from ms_moe_ops.ops import _platform  # noqa: E402
 from conftest import (assert_close, assert_rounded, examples, isa_paths, kernels_missing,  # noqa: E402
@@ -88,7 +89,7 @@ def test_every_operator_has_a_property():
                "moe_gating_top_k_grad", "swiglu_group", "swiglu_group_quant_grad", "moe_ffn",
                "moe_ffn_activation_grad", "grouped_matmul", "moe_token_permute",
                "moe_token_unpermute", "moe_token_unpermute_backward", "cast", "dequantize",
-               "rms_norm", "add_rms_norm", "decode_attention"}
+               "rms_norm", "add_rms_norm", "decode_attention", "weight_quant_grouped_matmul"}
     assert {op.name for op in OPERATORS} == covered
 
 
@@ -481,6 +482,36 @@ def test_dequantize(case, implementation):
     out = numpy(DEQUANTIZE(Tensor(weight), Tensor(scale), Tensor(index)))
     # bitwise: one float32 product per element
     np.testing.assert_array_equal(out, ref.dequantize(weight, scale, index))
+
+
+@st.composite
+def weight_quant_gmm_cases(draw):
+    # rows per expert around the blocks of 4 and the K cut of groups of up to 16 rows, K around
+    # the cut's chunks of 128 and the unrolled 8 weight rows, empty experts and padded rows
+    e = draw(st.integers(1, 5))
+    counts = draw(st.lists(st.one_of(st.integers(0, 5), near(4, 16)), min_size=e, max_size=e))
+    k = draw(st.one_of(st.integers(0, 17), near(128, 256)))
+    return counts, k, draw(WIDTHS), draw(st.integers(0, 3)), draw(SEEDS)
+
+
+@given(case=weight_quant_gmm_cases())
+@examples(20)
+def test_weight_quant_grouped_matmul(case, implementation):
+    counts, k, n, padding, seed = case
+    rng = data(seed)
+    counts = np.array(counts, np.int64)
+    e, m = len(counts), int(counts.sum()) + padding
+    x = rng.normal(0, 2, (m, k)).astype(np.float32)
+    weight = rng.integers(-128, 128, (e, k, n)).astype(np.int8)
+    scale = (rng.uniform(0.5, 2, (e, n)) * 2.0 ** rng.integers(-20, 20, (e, n))).astype(np.float32)
+    out = numpy(WEIGHT_QUANT_GROUPED_MATMUL(Tensor(x), Tensor(weight), Tensor(scale),
+                                            Tensor(counts)))
+    # float32 sums of k products: within a few roundings of the sum of their magnitudes
+    bound = ref.weight_quant_grouped_matmul(np.abs(x), np.abs(weight.astype(np.int16)),
+                                            np.abs(scale), counts)
+    error = np.abs(out - ref.weight_quant_grouped_matmul(x, weight, scale, counts))
+    assert (error <= 4e-7 * (k + 2) * bound + 1e-30).all(), error.max()
+    assert not out[m - padding:].any()  # the padded rows
 
 
 @st.composite

@@ -7,7 +7,8 @@ from mindspore import Tensor, nn
 
 import ms_moe_ops
 from ms_moe_ops import MoELayer, QuantMoeFFN, reference
-from ms_moe_ops.nn import Int8Experts, W8A16Experts
+from ms_moe_ops.nn import Int8Experts, W8A16Experts, quantization
+from ms_moe_ops.ops import record_choices
 from conftest import needs_kernels, run
 
 H, F, E, K = 32, 16, 4, 2
@@ -124,20 +125,35 @@ def test_padded_experts_keep_zero_rows(rng):
     assert expected.shape == (16, H)
 
 
+# few rows read the int8 weights directly (weight_quant_grouped_matmul); with none allowed
+# (DIRECT_ROWS = -1, as for half precision or biases) they dequantise only their experts
+FEW_ROW_PATHS = pytest.mark.parametrize("direct_rows", [64, -1], ids=["direct", "dequantised"])
+
+
+@FEW_ROW_PATHS
 @pytest.mark.parametrize("quant_mode", ["int8", "w8a16"])
 @pytest.mark.parametrize("counts", [(0, 1, 0, 0), (0, 2, 0, 1), (1, 0, 1, 0), (0, 0, 0, 3),
                                     (0, 0, 0, 0)])
-def test_few_rows_dequantise_only_their_experts(quant_mode, counts, mode, rng):
-    """Fewer rows than experts (a decoding step): only the experts with rows are gathered and
-    dequantised; the output is the golden model's, as with many rows."""
+def test_few_rows_dequantise_only_their_experts(quant_mode, counts, direct_rows, mode, rng,
+                                                monkeypatch):
+    """Fewer rows than experts (a decoding step): the int8 weights read as they are, or only
+    the experts with rows gathered and dequantised; the output is the golden model's, as with
+    many rows."""
+    monkeypatch.setattr(quantization, "DIRECT_ROWS", direct_rows)
     layer = ms_moe_ops.quantize(_layer(), quant_mode, calibration=[_x(rng)])
     x, counts = _rows(rng, counts)
-    y = run(layer.experts, Tensor(x), Tensor(counts), mode=mode).asnumpy()
+    with record_choices() as ran:
+        y = run(layer.experts, Tensor(x), Tensor(counts), mode=mode).asnumpy()
+    used = {name for name, _ in ran}
+    assert ("weight_quant_grouped_matmul" in used, "dequantize" in used) == (
+        direct_rows > 0, direct_rows < 0), ran
     assert y.shape == x.shape
     np.testing.assert_allclose(y, _golden(layer.experts, x, counts), rtol=1e-5, atol=1e-5)
 
 
-def test_few_padded_rows_stay_zero(rng):
+@FEW_ROW_PATHS
+def test_few_padded_rows_stay_zero(direct_rows, rng, monkeypatch):
+    monkeypatch.setattr(quantization, "DIRECT_ROWS", direct_rows)
     layer = _layer(capacity_factor=1.0)
     ms_moe_ops.quantize(layer, "w8a16")
     x, counts = _rows(rng, (0, 1, 0, 0))

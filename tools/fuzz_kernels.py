@@ -333,6 +333,18 @@ def check_case(kernel, a, ins, outs, dtypes):
                 np.array_equal(got[number].view(np.uint32), want[number].view(np.uint32))):
             raise Finding("cast differs from the golden model (bitwise)")
         return True
+    if kernel == "WeightQuantGroupedMatmul":
+        x, w, s = ins["x"], ins["weight"], ins["scale"]
+        if not moderate(x, s):
+            return False
+        want = ref.weight_quant_grouped_matmul(x, w, s, ins["group_list"])
+        # float32 sums of K products: within a few roundings of the sum of their magnitudes
+        bound = ref.weight_quant_grouped_matmul(np.abs(x), np.abs(np.asarray(w, np.int16)),
+                                                np.abs(s), ins["group_list"])
+        error = np.abs(np.asarray(outs["y"], np.float64) - want)
+        if not (error <= 4e-7 * (x.shape[1] + 2) * bound + 1e-30).all():
+            raise Finding("weight_quant_grouped_matmul differs from the golden model")
+        return True
     if kernel == "Dequantize":  # bitwise: one float32 product per element
         want = ref.dequantize(ins["weight"], ins["scale"], ins["index"])
         if np.asarray(outs["y"], np.float32).tobytes() != want.tobytes():

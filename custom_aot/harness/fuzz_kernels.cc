@@ -691,6 +691,28 @@ Case unpermute(Gen &g, bool backward) {
   return c;
 }
 
+Case weight_quant_grouped_matmul(Gen &g) {
+  Case c;
+  c.kernel = "WeightQuantGroupedMatmul";
+  // K past the cut's chunks of 128 weight rows now and then, groups of up to 16 rows (cut) and more
+  const int64_t e = g.size(1, 6), m = g.size(0, 40), k = g.chance(20) ? g.size(120, 300) : g.size(0, 24),
+                n = g.size(0, 40);
+  const bool padded = g.chance(50);
+  c.inputs = {{"x", g.floats("float32", {m, k})},
+              {"weight", g.ints("int8", {e, k, n}, -128, 127)},
+              {"scale", g.floats("float32", {e, n}, 4.0)},
+              {"group_list", counts_tensor(g.split(e, m, padded), false)}};
+  c.outputs = {{"y", harness::zeros("float32", {m, n})}};
+  c.set_bool("padded", padded);
+  if (!g.chance(35)) return c;
+  if (g.chance(40))
+    break_counts(g, c, "group_list", m, false, padded);
+  else
+    break_argument(g, c, {"x", "weight", "scale", "group_list", "y"});
+  if (c.what.empty()) c.broken = false;
+  return c;
+}
+
 Case dequantize(Gen &g) {
   Case c;
   c.kernel = "Dequantize";
@@ -793,6 +815,7 @@ const std::vector<KernelGen> &generators() {
       {"MoeTokenUnpermuteBackward", [](Gen &g) { return unpermute(g, true); }},
       {"Cast", cast},
       {"Dequantize", dequantize},
+      {"WeightQuantGroupedMatmul", weight_quant_grouped_matmul},
       {"RmsNorm", rms_norm},
       {"AddRmsNorm", add_rms_norm},
       {"DecodeAttention", decode_attention},

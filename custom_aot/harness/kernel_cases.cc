@@ -304,6 +304,20 @@ void conversions(Runner &r) {
     Attrs none;
     r.run("dequantize", "Dequantize", {&w, &scale, &index}, {{"y", &y}}, none);
   }
+  {  // weight_quant_grouped_matmul: groups cut along K (3 rows, 1 row), one of 20 rows (uncut), an
+     // empty one and 2 padded rows; K = 300 past two chunks and off the unrolled 8 rows
+    const int64_t e = 4, k = 300, n = 37, m = 26;
+    std::vector<double> xs(m * k), q(e * k * n), s(e * n);
+    for (int64_t i = 0; i < m * k; ++i) xs[i] = probs[i % probs.size()] * (i % 5 - 2);
+    for (int64_t i = 0; i < e * k * n; ++i) q[i] = static_cast<double>(i * 37 % 255) - 127;
+    for (int64_t i = 0; i < e * n; ++i) s[i] = probs[i % probs.size()] / 64.0;
+    Tensor x = from_values("float32", {m, k}, xs), w = from_values("int8", {e, k, n}, q);
+    Tensor scale = from_values("float32", {e, n}, s), y = zeros("float32", {m, n});
+    Tensor counts = from_values("int64", {e}, {3, 0, 20, 1});
+    Attrs none;
+    r.run("weight_quant_grouped_matmul", "WeightQuantGroupedMatmul", {&x, &w, &scale, &counts},
+          {{"y", &y}}, none);
+  }
   {  // rms_norm: 300 rows of 1031 (past the threads' share, off the vector widths)
     const int64_t rows = 300, h = 1031;
     std::vector<double> xs(rows * h), ws(h);

@@ -12,12 +12,14 @@ Two modes, both per expert and output channel for the weights (symmetric, step m
 - "w8a16" (weight-only): float activations, int8 weights dequantised in the product (the form
   Ascend's GroupedMatmul antiquant serves); no calibration.
 
-The int8 weights are Parameters (4x smaller than float32); each call dequantises them
-(`w_q * deq`, deq [E, N]), then runs a float product; a call with fewer rows than experts (a
-decoding step) dequantises only the experts that have rows. For W8A8, `deq = x_step * w_step`
-is the seed's dequant scale, and `x_q @ (w_q * deq) = (x_q @ w_q) * deq` (the per-column and per-tensor
-steps factor out of the sum), so the composition computes the int32 product's value, rounded to
-float32. The router, the shared experts, attention and everything else stay float.
+The int8 weights are Parameters (4x smaller than float32). On the CPU, SwiGLU experts without
+biases computing in float32 on a call of up to DIRECT_ROWS rows (a decoding step) read them as
+they are (`weight_quant_grouped_matmul`: `(x @ w_q) * deq`, each int8 weight read once). Other
+calls dequantise them (`w_q * deq`, deq [E, N]), then run a float product; a call with fewer
+rows than experts dequantises only the experts that have rows. For W8A8, `deq = x_step * w_step`
+is the seed's dequant scale, and `x_q @ (w_q * deq) = (x_q @ w_q) * deq` (the per-column and
+per-tensor steps factor out of the sum), so the composition computes the int32 product's value,
+rounded to float32. The router, the shared experts, attention and everything else stay float.
 """
 import numpy as np
 import mindspore as ms
@@ -26,6 +28,7 @@ from mindspore.ops import functional as F
 
 from .. import ops as moe_ops
 from ..ops._indexing import take_rows
+from ..ops._platform import device_target
 from ..ops.ffn import ACTIVATIONS as FUSED_ACTIVATIONS
 from ._precision import SelfCastingCell, register_opaque_to_rewrite
 from .ffn import EXPERT_KINDS, MoeFFN
@@ -35,6 +38,10 @@ from .quant import quantize_moe_ffn
 __all__ = ["quantize", "QUANT_MODES", "Int8Experts", "W8A16Experts", "per_channel_int8"]
 
 QUANT_MODES = ("int8", "w8a16")
+# Rows up to which the products read the int8 weights directly: weight_quant_grouped_matmul's
+# kernel is made for few rows per expert; past them, dequantising once for many rows and
+# the BLAS's product win.
+DIRECT_ROWS = 64
 
 
 def per_channel_int8(w):
@@ -94,6 +101,9 @@ class _QuantExperts(SelfCastingCell):
         self.bias1 = _param(_numpy(experts.bias1), np.float32, "bias1")
         self.bias2 = _param(_numpy(experts.bias2), np.float32, "bias2")
         self.compute_dtype = experts.compute_dtype
+        # (on the CPU only: elsewhere the operator dequantises every expert, where the gathered
+        # path dequantises only those with rows)
+        self.direct_rows = DIRECT_ROWS if device_target() == "CPU" else -1
 
     def dequantized(self, dtype, counts, rows):
         """(counts, weight1, bias1, weight2, bias2) in dtype, w_q * deq per call. With fewer
@@ -115,6 +125,18 @@ class _QuantExperts(SelfCastingCell):
         b2 = None if b2 is None else moe_ops.cast(b2, dtype)
         return counts, moe_ops.cast(w1, dtype), b1, moe_ops.cast(w2, dtype), b2
 
+    def direct(self, dtype, rows):
+        """True when the call reads the int8 weights as they are (see the module's docstring):
+        rows known when the graph compiles."""
+        return (self.activation == "swiglu" and dtype == ms.float32 and self.bias1 is None
+                and self.bias2 is None and F.isconstant(rows) and rows <= self.direct_rows)
+
+    def direct_product(self, x, which, counts):
+        """x @ weight{which}, read as int8, times deq_scale{which}, for the expert rows counts."""
+        weight, scale = (self.weight1, self.deq_scale1) if which == 1 else (self.weight2,
+                                                                               self.deq_scale2)
+        return moe_ops.weight_quant_grouped_matmul(x, weight, scale, counts, padded=self.padded)
+
     def inference_only(self):
         if self.training:
             raise RuntimeError(f"{type(self).__name__}: quantised experts are inference only; "
@@ -132,8 +154,9 @@ class _QuantExperts(SelfCastingCell):
 class W8A16Experts(_QuantExperts):
     """Weight-only int8 experts of a MoeFFN: `weight1`/`weight2` int8 per expert and output
     channel, `deq_scale1` [E, width*F] / `deq_scale2` [E, H] float32 steps; each call runs the
-    expert kind on the dequantised weights, activations in the compute dtype (x's, or mixed
-    precision's). construct(x [M, H], expert_tokens int64 [E]) -> [M, H]. Inference only."""
+    expert kind on the int8 weights read as they are (see `direct`) or dequantised, activations
+    in the compute dtype (x's, or mixed precision's). construct(x [M, H], expert_tokens int64
+    [E]) -> [M, H]. Inference only."""
 
     def __init__(self, experts):
         w1, step1 = per_channel_int8(_numpy(experts.weight1))
@@ -143,6 +166,10 @@ class W8A16Experts(_QuantExperts):
     def construct(self, x, expert_tokens):
         self.inference_only()
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
+        if self.direct(dtype, x.shape[0]):
+            h = self.direct_product(moe_ops.cast(x, dtype), 1, expert_tokens)
+            a = moe_ops.swiglu_group(h, None, expert_tokens, clamp_limit=self.clamp_limit)
+            return self.direct_product(a, 2, expert_tokens)
         counts, w1, b1, w2, b2 = self.dequantized(dtype, expert_tokens, x.shape[0])
         return self._forward(moe_ops.cast(x, dtype), counts, w1, b1, w2, b2,
                              self.activation, self.clamp_limit, self.padded)
@@ -173,8 +200,13 @@ class Int8Experts(_QuantExperts):
     def construct(self, x, expert_tokens):
         self.inference_only()
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
-        counts, w1, b1, w2, b2 = self.dequantized(dtype, expert_tokens, x.shape[0])
         x_q = moe_ops.cast(_to_int8(moe_ops.cast(x, ms.float32), self.x_step), dtype)
+        if self.direct(dtype, x.shape[0]):
+            h = self.direct_product(x_q, 1, expert_tokens)
+            a = moe_ops.swiglu_group(h, None, expert_tokens, clamp_limit=self.clamp_limit)
+            a_q = moe_ops.cast(_to_int8(moe_ops.cast(a, ms.float32), self.a_step), dtype)
+            return self.direct_product(a_q, 2, expert_tokens)
+        counts, w1, b1, w2, b2 = self.dequantized(dtype, expert_tokens, x.shape[0])
         h = moe_ops.grouped_matmul(x_q, w1, counts, b1, padded=self.padded)
         a = moe_ops.swiglu_group(h, None, counts, clamp_limit=self.clamp_limit)
         a_q = moe_ops.cast(_to_int8(moe_ops.cast(a, ms.float32), self.a_step), dtype)

@@ -10,13 +10,15 @@ from .permute import (PERMUTE, UNPERMUTE, UNPERMUTE_BACKWARD, moe_token_permute,
                       moe_token_unpermute, moe_token_unpermute_backward)
 from .rms_norm import ADD_RMS_NORM, RMS_NORM, add_rms_norm, rms_norm
 from .swiglu import SWIGLU_GROUP, SWIGLU_GROUP_QUANT_GRAD, swiglu_group, swiglu_group_quant_grad
+from .weight_quant_grouped_matmul import WEIGHT_QUANT_GROUPED_MATMUL, weight_quant_grouped_matmul
 from ._op import record_choices  # noqa: F401 (ms_moe_ops.ops.record_choices)
 
 # Every operator declaration (OpDef), public operators first: what the resolver, the tests and
 # the README's implementation table go through.
 OPERATORS = (GATING_TOP_K, GATING_BACKWARD, GATING_SOFTMAX_BACKWARD, GATING_GRAD, SWIGLU_GROUP,
              SWIGLU_GROUP_QUANT_GRAD, MOE_FFN, FFN_ACTIVATION_GRAD, GROUPED_MATMUL, PERMUTE,
-             UNPERMUTE, UNPERMUTE_BACKWARD, CAST, DEQUANTIZE, RMS_NORM, ADD_RMS_NORM, DECODE_ATTENTION)
+             UNPERMUTE, UNPERMUTE_BACKWARD, CAST, DEQUANTIZE, RMS_NORM, ADD_RMS_NORM, DECODE_ATTENTION,
+             WEIGHT_QUANT_GROUPED_MATMUL)
 
 __all__ = [
     "moe_gating_top_k", "moe_gating_top_k_backward",
