@@ -66,6 +66,7 @@ int weight_quant_grouped_matmul(const Args &args, bool padded) {
   if (int rc = check_arg(kOp, "x", x, 2, {DType::kF32})) return rc;
   if (int rc = check_arg(kOp, "weight", w, 3, {DType::kI8})) return rc;
   const int64_t m = x.dim(0), k = x.dim(1), e = w.dim(0), n = w.dim(2);
+  if (e < 1) return fail(kOp, "'weight' must hold at least one expert, got %s", shape_label(w).c_str());
   if (w.dim(1) != k)
     return fail(kOp, "'weight' must be [E, K, N] with K = x.shape[1] = %lld, got %s",
                 (long long)k, shape_label(w).c_str());

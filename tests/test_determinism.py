@@ -83,6 +83,12 @@ for path in lib.MsMoeOpsIsaPaths().decode().split():  # every path, each on the 
     d_rows, d_probs = moe_token_unpermute_backward(p, s, probs, bf(rng.normal(size=(900, 64))))
     out[path + "/unpermute_bwd"] = d_rows.astype(ms.float32).asnumpy()
     out[path + "/unpermute_bwd_probs"] = d_probs.asnumpy()
+    # weight-only int8 experts: groups cut along K (1 and 9 rows) and one not (20 rows)
+    wq_counts = Tensor(np.array([1, 0, 9, 20], np.int64))
+    wq = mo.ops.weight_quant_grouped_matmul(
+        f32(rng.normal(size=(30, 1000))), Tensor(rng.integers(-128, 128, (4, 1000, 300)).astype(np.int8)),
+        f32(rng.uniform(0.01, 0.1, (4, 300))), wq_counts)
+    out[path + "/weight_quant_gmm"] = wq.asnumpy()
 np.savez(sys.argv[1], **out)
 '''
 

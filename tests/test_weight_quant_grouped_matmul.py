@@ -37,7 +37,7 @@ def _close(got, x, weight, scale, counts):
 @pytest.mark.parametrize("counts,k,padding", [
     ((0, 1, 0, 1), 1024, 0),     # one decoding token, top-2: groups cut along K
     ((1, 1, 0, 3), 300, 2),      # K off the chunks and the unrolled rows, padded rows
-    ((20, 0, 1, 16), 33, 0),     # a group of 20 rows (uncut), one of 16 (cut)
+    ((20, 0, 1, 16), 300, 0),    # a group of 20 rows (uncut), one of 16 (cut)
     ((0, 0, 0, 0), 8, 3),        # no row routed: every row padding
     ((1,), 0, 0),                # K = 0
 ], ids=["decode", "padded", "many rows", "no rows", "k0"])
@@ -49,7 +49,8 @@ def test_matches_golden(counts, k, padding, mode, rng):
 
 
 def test_kernel_and_composition_agree(rng):
-    x, weight, scale, counts = _case(rng, (3, 0, 1, 2), 257, 131)
+    # (past 256 KB of weights: the threads share the tiles)
+    x, weight, scale, counts = _case(rng, (3, 0, 1, 2), 1024, 131)
     args = _tensors(x, weight, scale, counts)
     for out in (weight_quant_grouped_matmul(*args), _composed({"padded": True})(*args)):
         _close(numpy(out), x, weight, scale, counts)
@@ -87,8 +88,10 @@ def test_gradients_of_x_and_the_steps(mode, rng):
     (lambda x, w, s, c: (x, w, s[:, :3], c), ValueError, "'scale' must have shape [3, 5]"),
     (lambda x, w, s, c: (x, w, s, c[:2]), ValueError, "'group_list' must have shape [3]"),
     (lambda x, w, s, c: (x, w[0], s, c), ValueError, "'weight' must be 3-D"),
+    (lambda x, w, s, c: (x, w[:0], s[:0], c[:0]), ValueError,
+     "'weight' must hold at least one expert, got shape [0, 6, 5]"),
 ], ids=["x dtype", "weight dtype", "scale dtype", "counts dtype", "k", "scale shape",
-        "counts shape", "weight rank"])
+        "counts shape", "weight rank", "no expert"])
 def test_bad_inputs_are_refused(change, error, words, rng):
     args = change(*_case(rng))
     with pytest.raises(error, match="weight_quant_grouped_matmul") as info:
@@ -147,3 +150,16 @@ def test_half_precision_experts_keep_the_dequantised_product(dtype, mode, rng):
     assert y.dtype == getattr(ms, dtype)
     error = np.abs(y.astype(ms.float32).asnumpy() - want).max() / np.abs(want).max()
     assert error < (2e-2 if dtype == "bfloat16" else 3e-3), error
+
+
+def test_without_the_kernel_few_rows_dequantise_only_their_experts(rng, monkeypatch):
+    """With the compositions forced (as without the kernel library), the operator would
+    dequantise every expert: few rows keep the gathered path instead."""
+    monkeypatch.setenv("MS_MOE_OPS_IMPL", "composition")
+    ms.set_seed(0)
+    layer = ms_moe_ops.quantize(MoELayer(32, 16, 4, 2, activation="swiglu"), "w8a16")
+    layer.set_train(False)
+    with record_choices() as ran:
+        layer(Tensor(rng.standard_normal((3, 32)).astype(np.float32)))
+    names = {name for name, _ in ran}
+    assert "dequantize" in names and "weight_quant_grouped_matmul" not in names, ran

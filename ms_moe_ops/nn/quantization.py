@@ -12,9 +12,10 @@ Two modes, both per expert and output channel for the weights (symmetric, step m
 - "w8a16" (weight-only): float activations, int8 weights dequantised in the product (the form
   Ascend's GroupedMatmul antiquant serves); no calibration.
 
-The int8 weights are Parameters (4x smaller than float32). On the CPU, SwiGLU experts without
-biases computing in float32 on a call of up to DIRECT_ROWS rows (a decoding step) read them as
-they are (`weight_quant_grouped_matmul`: `(x @ w_q) * deq`, each int8 weight read once). Other
+The int8 weights are Parameters (4x smaller than float32). On the CPU kernels, SwiGLU experts
+without biases computing in float32 on a call of up to DIRECT_ROWS rows (a decoding step) read
+them as they are (`weight_quant_grouped_matmul`: `(x @ w_q) * deq`, each int8 weight read once
+per block of 4 rows of its expert). Other
 calls dequantise them (`w_q * deq`, deq [E, N]), then run a float product; a call with fewer
 rows than experts dequantises only the experts that have rows. For W8A8, `deq = x_step * w_step`
 is the seed's dequant scale, and `x_q @ (w_q * deq) = (x_q @ w_q) * deq` (the per-column and
@@ -28,7 +29,8 @@ from mindspore.ops import functional as F
 
 from .. import ops as moe_ops
 from ..ops._indexing import take_rows
-from ..ops._platform import device_target
+from ..ops._library import kernel_library_missing
+from ..ops._platform import device_target, forced_impl
 from ..ops.ffn import ACTIVATIONS as FUSED_ACTIVATIONS
 from ._precision import SelfCastingCell, register_opaque_to_rewrite
 from .ffn import EXPERT_KINDS, MoeFFN
@@ -42,6 +44,15 @@ QUANT_MODES = ("int8", "w8a16")
 # kernel is made for few rows per expert; past them, dequantising once for many rows and
 # the BLAS's product win.
 DIRECT_ROWS = 64
+
+
+def _direct_rows():
+    """DIRECT_ROWS where weight_quant_grouped_matmul runs its CPU kernel, else -1: its
+    composition dequantises every expert, where the gathered path dequantises only those with
+    rows."""
+    kernel = (device_target() == "CPU" and not kernel_library_missing()
+              and forced_impl() in (None, "kernel"))
+    return DIRECT_ROWS if kernel else -1
 
 
 def per_channel_int8(w):
@@ -101,9 +112,7 @@ class _QuantExperts(SelfCastingCell):
         self.bias1 = _param(_numpy(experts.bias1), np.float32, "bias1")
         self.bias2 = _param(_numpy(experts.bias2), np.float32, "bias2")
         self.compute_dtype = experts.compute_dtype
-        # (on the CPU only: elsewhere the operator dequantises every expert, where the gathered
-        # path dequantises only those with rows)
-        self.direct_rows = DIRECT_ROWS if device_target() == "CPU" else -1
+        self.direct_rows = _direct_rows()
 
     def dequantized(self, dtype, counts, rows):
         """(counts, weight1, bias1, weight2, bias2) in dtype, w_q * deq per call. With fewer

@@ -10,7 +10,7 @@ and grouped_matmul.
 import mindspore as ms
 from mindspore import ops
 
-from ._checks import check_dtype, check_shape, dims
+from ._checks import check_dtype, check_shape, dims, known
 from ._impls import composition, kernel
 from ._op import Attr, OpDef
 from .dequantize import dequantize
@@ -22,6 +22,8 @@ _OP = "weight_quant_grouped_matmul"
 def _infer(a, x, weight, scale, group_list):
     m, k = dims(_OP, "x", x, 2)
     e, _, n = dims(_OP, "weight", weight, 3)
+    if known(e) and e < 1:
+        raise ValueError(f"{_OP}: 'weight' must hold at least one expert, got shape {list(weight)}")
     check_shape(_OP, "weight", weight, [e, k, n], "[E, K, N] with K = x.shape[1]")
     check_shape(_OP, "scale", scale, [e, n], "[E, N]: one step per expert and output channel")
     check_shape(_OP, "group_list", group_list, [e], "[E]: rows per expert")
