@@ -1,8 +1,8 @@
 // weight_quant_grouped_matmul: y[rows of e] = (x[rows of e] @ float(weight[e])) * scale[e], the
-// products of weight-only int8 experts, reading each int8 weight once (dequantising the weights
-// first writes and reads them again as float32: 9 bytes of memory traffic per weight instead of 1,
-// which is what a decoding step's few rows pay for). Made for few rows per expert: each block of
-// up to 4 rows streams its expert's weight rows once, the sums kept in a block's accumulators.
+// products of weight-only int8 experts, reading each int8 weight once per block of up to 4 rows
+// (dequantising the weights first writes and reads them again as float32: 9 bytes of memory
+// traffic per weight instead of 1, which is what a decoding step's few rows pay for). Made for few
+// rows per expert: a block's rows share one pass over their expert's weight rows.
 //
 // A group of up to kSplitRows rows is cut along K into chunks of kChunk weight rows (so that two
 // experts' products at batch 1 still share out over the threads); the chunks' partial sums are

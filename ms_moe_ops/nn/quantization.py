@@ -140,11 +140,16 @@ class _QuantExperts(SelfCastingCell):
         return (self.activation == "swiglu" and dtype == ms.float32 and self.bias1 is None
                 and self.bias2 is None and F.isconstant(rows) and rows <= self.direct_rows)
 
-    def direct_product(self, x, which, counts):
-        """x @ weight{which}, read as int8, times deq_scale{which}, for the expert rows counts."""
-        weight, scale = (self.weight1, self.deq_scale1) if which == 1 else (self.weight2,
-                                                                               self.deq_scale2)
-        return moe_ops.weight_quant_grouped_matmul(x, weight, scale, counts, padded=self.padded)
+    def direct_swiglu(self, x, counts, a_step=None):
+        """The SwiGLU experts on the int8 weights read as they are: x @ weight1 * deq_scale1,
+        swiglu, (quantised with the static step a_step, if given), @ weight2 * deq_scale2."""
+        h = moe_ops.weight_quant_grouped_matmul(x, self.weight1, self.deq_scale1, counts,
+                                                padded=self.padded)
+        a = moe_ops.swiglu_group(h, None, counts, clamp_limit=self.clamp_limit)
+        if a_step is not None:
+            a = _to_int8(a, a_step)
+        return moe_ops.weight_quant_grouped_matmul(a, self.weight2, self.deq_scale2, counts,
+                                                   padded=self.padded)
 
     def inference_only(self):
         if self.training:
@@ -176,9 +181,7 @@ class W8A16Experts(_QuantExperts):
         self.inference_only()
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
         if self.direct(dtype, x.shape[0]):
-            h = self.direct_product(moe_ops.cast(x, dtype), 1, expert_tokens)
-            a = moe_ops.swiglu_group(h, None, expert_tokens, clamp_limit=self.clamp_limit)
-            return self.direct_product(a, 2, expert_tokens)
+            return self.direct_swiglu(moe_ops.cast(x, dtype), expert_tokens)
         counts, w1, b1, w2, b2 = self.dequantized(dtype, expert_tokens, x.shape[0])
         return self._forward(moe_ops.cast(x, dtype), counts, w1, b1, w2, b2,
                              self.activation, self.clamp_limit, self.padded)
@@ -210,11 +213,8 @@ class Int8Experts(_QuantExperts):
         self.inference_only()
         dtype = x.dtype if self.compute_dtype is None else self.compute_dtype
         x_q = moe_ops.cast(_to_int8(moe_ops.cast(x, ms.float32), self.x_step), dtype)
-        if self.direct(dtype, x.shape[0]):
-            h = self.direct_product(x_q, 1, expert_tokens)
-            a = moe_ops.swiglu_group(h, None, expert_tokens, clamp_limit=self.clamp_limit)
-            a_q = moe_ops.cast(_to_int8(moe_ops.cast(a, ms.float32), self.a_step), dtype)
-            return self.direct_product(a_q, 2, expert_tokens)
+        if self.direct(dtype, x.shape[0]):  # (float32: no casts)
+            return self.direct_swiglu(x_q, expert_tokens, self.a_step)
         counts, w1, b1, w2, b2 = self.dequantized(dtype, expert_tokens, x.shape[0])
         h = moe_ops.grouped_matmul(x_q, w1, counts, b1, padded=self.padded)
         a = moe_ops.swiglu_group(h, None, counts, clamp_limit=self.clamp_limit)
