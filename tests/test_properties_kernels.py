@@ -300,6 +300,9 @@ def gmm_cases(draw):
 @example(case=("transpose_weight", [2, 0, 1], 1, True, 33, 257, True, True, "bfloat16", 2))
 @example(case=("transpose_weight", [3, 2], 0, False, 40, 200, True, False, "float32", 3))  # column
 @example(case=("plain", [5, 0, 7], 0, False, 16, 300, False, False, "float32", 4))  # tiles (float32)
+# few rows' column passes wider than 256 and past 1024, K not a multiple of the 4-row unroll
+@example(case=("plain", [1, 2], 0, False, 37, 1100, False, False, "float32", 5))
+@example(case=("plain", [1, 1, 1, 1], 1, True, 38, 1100, True, False, "float32", 6))
 @examples(30)
 def test_grouped_matmul(case, implementation):
     form, counts, pad, padded, k, n, with_bias, cumulative, dtype, seed = case
