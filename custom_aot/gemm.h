@@ -146,9 +146,9 @@ inline void skinny_dots(int64_t k, const float *a, int64_t lda, const float *b, 
   }
 }
 
-// As on AVX-512: up to 1024 columns of b per pass (whole rows of decoding's experts: one
-// sequential stream; 256 read a quarter row at the stride of a row, at about half the
-// bandwidth), four rows of b per pass over the sums, each sum in k order.
+// As on AVX-512: up to kAxpyCols columns of b per pass (a whole row when n <= 1024: one
+// sequential stream) and four rows of b per pass over the sums (a quarter of the sums' loads
+// and stores); each sum in k order. (acc's 1024 is kAxpyCols, declared below as on AVX-512.)
 template <int I>
 inline void skinny_axpys(int64_t k, int64_t w, const float *a, int64_t lda, const float *b,
                          int64_t ldb, float beta, float *c, int64_t ldc) {
