@@ -216,8 +216,11 @@ def test_other_hosts_agree(group):
     without the dot product), windows (MinGW-w64, Wine), macos (zig cross link, no run)."""
     if not glob.glob(os.path.join(ROOT, "ms_moe_ops", "_kernels*.so")):
         pytest.skip("the package is not built in place (ms_moe_ops/_kernels*.so)")
+    # a work folder per group: each run builds and runs the native harness in it, and the groups
+    # may run at once (pytest -n 2)
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "check_hosts.py"),
-                           "--hosts", group], capture_output=True, text=True, timeout=1800)
+                           "--hosts", group, "--work", os.path.join(ROOT, "build", "hosts", group)],
+                          capture_output=True, text=True, timeout=1800)
     if done.returncode == 3:
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-3000:]
