@@ -17,12 +17,62 @@ namespace {
 
 constexpr const char *kOp = "grouped_matmul";
 
+// Weight rows per chunk when a few rows of one group are cut along K (K of 2 chunks or more and
+// more than 128 columns; otherwise row_tiles' column slices).
+constexpr int64_t kCutRows = 256;
+
+// The group that has rows when only one has, at most kSkinnyRows of them, against a float32
+// [K, N] weight of 2 chunks or more; else -1. Its threads then read whole rows of the weight, a
+// range of K each (one sequential stream), where column slices would read part of every row.
+int64_t one_group_cut_along_k(const std::vector<int64_t> &off, int64_t k, int64_t n) {
+  const int64_t groups = (int64_t)off.size() - 1;
+  if (off[groups] - off[0] > kSkinnyRows || n <= 128 || k < 2 * kCutRows) return -1;
+  int64_t found = -1;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (off[g + 1] == off[g]) continue;
+    if (found >= 0) return -1;
+    found = g;
+  }
+  return found;
+}
+
+// out[rows g] = x[rows g] @ wg (+ bias[g]) in chunks of kCutRows rows of wg [k, n]: each chunk's
+// partial sums (each in k order), then added in chunk order. The chunks depend on k alone, so the
+// results are the same for any thread count.
+void cut_along_k(const float *x, const float *wg, const float *bias, int64_t r, int64_t k,
+                 int64_t n, float *y) {
+  const int64_t chunks = (k + kCutRows - 1) / kCutRows;
+  std::vector<float> sums(chunks * r * n);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t k0 = c * kCutRows;
+    skinny_gemm(false, r, n, std::min(kCutRows, k - k0), x + k0, k, wg + k0 * n, n, 0.f,
+                sums.data() + c * r * n, n);
+  }
+  for (int64_t i = 0; i < r; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      float total = sums[i * n + j];
+      for (int64_t c = 1; c < chunks; ++c) total += sums[(c * r + i) * n + j];
+      y[i * n + j] = bias ? total + bias[j] : total;
+    }
+}
+
 // Tiles of rows (and, for few rows, of columns): out[tile] = x[tile rows] @ op(weight[g])[:, tile
-// columns] (+ bias).
+// columns] (+ bias); a few float32 rows of one group against a [K, N] weight: cut along K.
 template <typename T>
 void rows_form(const Arg &x, const Arg &w, const Arg &bias, const std::vector<int64_t> &off,
                bool trans_w, const Arg &out) {
   const int64_t k = x.dim(1), n = out.dim(1), groups = (int64_t)off.size() - 1;
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t g = trans_w ? -1 : one_group_cut_along_k(off, k, n);
+    if (g >= 0) {
+      const float *wg = w.as<float>() + (w.ndim == 2 ? 0 : g * k * n);
+      cut_along_k(x.as<float>() + off[g] * k, wg, bias.present() ? bias.as<float>() + g * n : nullptr,
+                  off[g + 1] - off[g], k, n, out.as<float>() + off[g] * n);
+      zero_tail_rows(out.as<float>(), off[groups], x.dim(0), n);
+      return;
+    }
+  }
   const T *xs = x.as<T>(), *ws = w.as<T>(), *bs = bias.present() ? bias.as<T>() : nullptr;
   T *ys = out.as<T>();
   onednn::GemmBf16 *const dot = std::is_same_v<T, bf16> ? bf16_dot() : nullptr;

@@ -3,4 +3,4 @@ from . import nn, ops, parallel, reference
 from .nn import *  # noqa: F401,F403
 from .ops import *  # noqa: F401,F403
 
-__version__ = "0.4.10"
+__version__ = "0.4.11"

@@ -59,6 +59,12 @@ for path in lib.MsMoeOpsIsaPaths().decode().split():  # every path, each on the 
     counts = Tensor(np.array([300, 0, 400], np.int64))
     gx_ = rng.normal(size=(700, 96))
     out[path + "/gmm"] = mo.grouped_matmul(f32(gx_), f32(rng.normal(size=(3, 96, 80))), counts).asnumpy()
+    # a few rows (decoding): two groups of whole weight rows, and one group cut along K
+    few = f32(rng.normal(size=(4, 1000)))
+    w_few = f32(rng.normal(size=(3, 1000, 700)))
+    out[path + "/gmm_few_rows"] = mo.grouped_matmul(few, w_few, Tensor(np.array([1, 0, 2], np.int64))).asnumpy()
+    out[path + "/gmm_few_rows_one_group"] = mo.grouped_matmul(
+        few, w_few, Tensor(np.array([0, 3, 0], np.int64)), f32(rng.normal(size=(3, 700)))).asnumpy()
     out[path + "/gmm_tx"] = mo.grouped_matmul(bf(gx_), bf(rng.normal(size=(700, 80))), counts,
                                       transpose_x=True).astype(ms.float32).asnumpy()
     out[path + "/gmm_bf16"] = mo.grouped_matmul(bf(gx_), bf(rng.normal(size=(3, 96, 80))),

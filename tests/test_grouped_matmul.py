@@ -96,13 +96,34 @@ def test_few_rows_one_group(n, rows, rng):
     assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), rtol=1e-5)
 
 
+@pytest.mark.parametrize("k", [512, 513, 1000])
+@pytest.mark.parametrize("counts,shared", [((0, 1, 0), False), ((0, 16), False), ((3,), True)],
+                         ids=["one row", "16 rows", "shared weight"])
+def test_few_rows_cut_along_k(counts, shared, k, rng):
+    """A few float32 rows of one group against a [K, N] weight of K >= 512 (a shared expert's or
+    a top-1 expert's at decoding): the kernel cuts K into chunks of 256 weight rows (the last one
+    shorter) whose partial sums it adds afterwards; with a bias, rows past the groups, a weight
+    every group shares; 16 rows is the last count it cuts."""
+    n = 300
+    x, w, b, _, gl = _case(rng, m=sum(counts) + 2, k=k, n=n, counts=counts)
+    if shared:
+        y = numpy(grouped_matmul(tensor(x, "float32"), tensor(w[0], "float32"), tensor(gl)))
+        expected = reference.grouped_matmul(x, w, gl)
+    else:
+        y = numpy(grouped_matmul(tensor(x, "float32"), tensor(w, "float32"), tensor(gl),
+                                 tensor(b, "float32")))
+        expected = reference.grouped_matmul(x, w, gl, b)
+    assert_close(y, expected, rtol=1e-5)
+    assert not y[-2:].any()  # the padding rows
+
+
 @pytest.mark.parametrize("counts", [(2,), (1, 0, 2), (1, 1, 0, 2, 1, 3)],
                          ids=["one group", "two groups", "five groups"])
 @pytest.mark.parametrize("transpose_weight", [False, True], ids=["plain", "transpose_weight"])
 def test_few_rows_wide(transpose_weight, counts, rng):
     """The few-rows path on wide weights: N past one block of columns (1024) with a masked tail,
     K not a multiple of the 4 weight rows taken per pass, and 1, 2 or 5 groups with rows (the
-    kernel cuts the columns into 4 tiles below 4 such groups, else gives each group whole
+    kernel cuts the columns into 4 tiles for one such group, else gives each group whole
     rows)."""
     k, n = 38, 1024 + 133
     x, w, b, _, gl = _case(rng, m=sum(counts) + 1, k=k, n=n, counts=counts)

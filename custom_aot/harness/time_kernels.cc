@@ -135,6 +135,22 @@ std::vector<Case> cases() {
          none, zeros("float32", {g, 1024})})
         ->set_bool("transpose_x", false).set_bool("transpose_weight", false).set_bool("cumulative", false);
   }
+  // a shared expert's first product at one row: one group of a [K, N] weight (cut along K)
+  add("decode shared expert M=1", "GroupedMatmul",
+      {random(rng, "float32", {1, 1024}), random(rng, "float32", {1, 1024, 2048}, 0.05),
+       from_values("int64", {1}, {1.0}), none, zeros("float32", {1, 2048})})
+      ->set_bool("transpose_x", false).set_bool("transpose_weight", false).set_bool("cumulative", false);
+  // a decoding step's attention: 16 query heads and 4 key heads of 64
+  for (const auto &[b, l] : std::vector<std::pair<int64_t, int64_t>>{{1, 64}, {1, 1024}, {8, 64}}) {
+    add("decode attention B=" + std::to_string(b) + " L=" + std::to_string(l), "DecodeAttention",
+        {random(rng, "float32", {b, 16, 1, 64}), random(rng, "float32", {b, 4, 1, 64}),
+         random(rng, "float32", {b, 4, 1, 64}), random(rng, "float32", {b, 1, 1, 64}),
+         random(rng, "float32", {b, 1, 1, 64}), random(rng, "float32", {b, 4, l, 64}),
+         random(rng, "float32", {b, 4, l, 64}), zeros("float32", {b, 1, 1, l}),
+         from_values("int32", {}, {double(l / 2)}), zeros("float32", {b, 16, 1, 64}),
+         zeros("float32", {b, 4, l, 64}), zeros("float32", {b, 4, l, 64})})
+        ->set_float("scaling", 0.125f);
+  }
   {  // MoeFFN's activation backward, M=4096, F=2048
     const int64_t m = 4096, f = 2048;
     add("activation grad float32", "MoeFFNActivationGrad",
