@@ -304,8 +304,8 @@ inline int64_t tile_cols(int64_t total_rows, int64_t n, int64_t groups_with_rows
   // a few rows (decoding): whole rows of b (one sequential stream) once 2 groups have rows for
   // the threads to share (part of each row at the stride of a row reads at about 60% of the
   // bandwidth: 11 against 19 GB/s for half rows of 4 KB on 2 cores of an AVX2 EPYC), else 4
-  // tiles at least 256 columns wide (rows of an [N, K] weight; grouped_matmul cuts one group's
-  // float32 [K, N] weight along K instead, where K has 2 chunks)
+  // tiles at least 256 columns wide (grouped_matmul cuts one group's float32 [K, N] weight of
+  // 2 chunks of K or more along K instead)
   if (total_rows <= kSkinnyRows) {
     const int64_t slices = groups_with_rows >= 2 ? 1 : 4;
     return std::max<int64_t>(256, ((n + slices - 1) / slices + 15) / 16 * 16);

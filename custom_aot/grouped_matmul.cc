@@ -17,13 +17,16 @@ namespace {
 
 constexpr const char *kOp = "grouped_matmul";
 
-// Weight rows per chunk when a few rows of one group are cut along K (K of 2 chunks or more and
-// more than 128 columns; otherwise row_tiles' column slices).
+// Weight rows per chunk when a few float32 rows of one group are cut along K (see
+// one_group_cut_along_k; every other case takes row_tiles' tiles).
 constexpr int64_t kCutRows = 256;
 
-// The group that has rows when only one has, at most kSkinnyRows of them, against a float32
-// [K, N] weight of 2 chunks or more; else -1. Its threads then read whole rows of the weight, a
-// range of K each (one sequential stream), where column slices would read part of every row.
+// The group that has rows when only one has, at most kSkinnyRows of them, for a weight of 2
+// chunks of K or more and more than 128 columns; else -1 (the caller asks only for a float32
+// [K, N] weight). Its threads then read whole rows of the weight, a range of K each (one
+// sequential stream), where column slices would read part of every row. (So a row's bits depend
+// on whether another group has rows too, as they depend on the 16 rows past which the BLAS
+// takes over.)
 int64_t one_group_cut_along_k(const std::vector<int64_t> &off, int64_t k, int64_t n) {
   const int64_t groups = (int64_t)off.size() - 1;
   if (off[groups] - off[0] > kSkinnyRows || n <= 128 || k < 2 * kCutRows) return -1;

@@ -96,24 +96,23 @@ def test_few_rows_one_group(n, rows, rng):
     assert_close(numpy(y), reference.grouped_matmul(x, w, gl, b), rtol=1e-5)
 
 
-@pytest.mark.parametrize("k", [512, 513, 1000])
-@pytest.mark.parametrize("counts,shared", [((0, 1, 0), False), ((0, 16), False), ((3,), True)],
-                         ids=["one row", "16 rows", "shared weight"])
-def test_few_rows_cut_along_k(counts, shared, k, rng):
-    """A few float32 rows of one group against a [K, N] weight of K >= 512 (a shared expert's or
-    a top-1 expert's at decoding): the kernel cuts K into chunks of 256 weight rows (the last one
-    shorter) whose partial sums it adds afterwards; with a bias, rows past the groups, a weight
-    every group shares; 16 rows is the last count it cuts."""
-    n = 300
+@pytest.mark.parametrize("k,n", [(511, 300), (512, 300), (513, 1100), (1000, 300), (1000, 128)])
+@pytest.mark.parametrize("counts,shared", [((0, 1, 0), False), ((0, 16), False), ((0, 17), False),
+                                           ((3,), True), ((0, 2), True)],
+                         ids=["one row", "16 rows", "17 rows", "shared weight",
+                              "shared weight, second group"])
+def test_few_rows_cut_along_k(counts, shared, k, n, rng):
+    """A few float32 rows of one group against a [K, N] weight of K >= 512 and N > 128 (a shared
+    expert's or a top-1 expert's at decoding): the kernel cuts K into chunks of 256 weight rows
+    (the last one shorter) whose partial sums it adds afterwards; with a bias, rows past the
+    groups, a weight every group shares, N past one pass of 1024 columns; 16 rows is the last
+    count it cuts, and K = 511 or N = 128 take the column slices (the results the same)."""
     x, w, b, _, gl = _case(rng, m=sum(counts) + 2, k=k, n=n, counts=counts)
-    if shared:
-        y = numpy(grouped_matmul(tensor(x, "float32"), tensor(w[0], "float32"), tensor(gl)))
-        expected = reference.grouped_matmul(x, w, gl)
-    else:
-        y = numpy(grouped_matmul(tensor(x, "float32"), tensor(w, "float32"), tensor(gl),
-                                 tensor(b, "float32")))
-        expected = reference.grouped_matmul(x, w, gl, b)
-    assert_close(y, expected, rtol=1e-5)
+    weight = w[0] if shared else w
+    w = np.broadcast_to(w[:1], w.shape) if shared else w
+    y = numpy(grouped_matmul(tensor(x, "float32"), tensor(weight, "float32"), tensor(gl),
+                             tensor(b, "float32")))
+    assert_close(y, reference.grouped_matmul(x, w, gl, b), rtol=1e-5)
     assert not y[-2:].any()  # the padding rows
 
 
